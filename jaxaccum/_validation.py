@@ -1,0 +1,120 @@
+"""Argument checks shared by the public functions.
+
+Every check raises a ``ValueError`` or ``TypeError`` whose message names the argument, what was
+expected and what was received. They run at construction or trace time, never on device.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def positive_int(value: Any, name: str) -> int:
+    """Returns ``value`` as an ``int`` if it is a Python/NumPy integer >= 1."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(
+            f"{name} must be a positive int; got {value!r} of type {type(value).__name__}"
+        )
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1; got {name}={value}")
+    return int(value)
+
+
+def exactly_one_count(num_microbatches: Any, microbatch_size: Any) -> None:
+    """Checks that exactly one of the two micro-batch counts is given, and that it is valid."""
+    if (num_microbatches is None) == (microbatch_size is None):
+        raise ValueError(
+            "exactly one of num_microbatches and microbatch_size must be given; got "
+            f"num_microbatches={num_microbatches!r}, microbatch_size={microbatch_size!r}"
+        )
+    if num_microbatches is not None:
+        positive_int(num_microbatches, "num_microbatches")
+    if microbatch_size is not None:
+        positive_int(microbatch_size, "microbatch_size")
+
+
+def resolve_num_microbatches(
+    batch_size: int, num_microbatches: int | None, microbatch_size: int | None
+) -> int:
+    """Returns k, checking that it splits ``batch_size`` into equal micro-batches."""
+    if num_microbatches is not None:
+        if batch_size % num_microbatches:
+            raise ValueError(
+                f"num_microbatches={num_microbatches} does not divide the batch size "
+                f"{batch_size}; choose a divisor of {batch_size} or pad the batch and use "
+                "weighted=True"
+            )
+        return num_microbatches
+    assert microbatch_size is not None
+    if batch_size % microbatch_size:
+        raise ValueError(
+            f"microbatch_size={microbatch_size} does not divide the batch size {batch_size}; "
+            f"choose a divisor of {batch_size} or pad the batch and use weighted=True"
+        )
+    return batch_size // microbatch_size
+
+
+def argnums_tuple(value: Any, name: str) -> tuple[int, ...]:
+    """Normalises an ``int`` or sequence of ints (like ``jax.grad``'s ``argnums``)."""
+    items: Sequence[Any] = value if isinstance(value, (tuple, list)) else (value,)
+    try:
+        out = tuple(operator.index(i) for i in items)
+    except TypeError:
+        raise TypeError(f"{name} must be an int or a tuple of ints; got {value!r}") from None
+    if not out:
+        raise ValueError(f"{name} must name at least one argument; got {value!r}")
+    if any(i < 0 for i in out):
+        raise ValueError(f"{name} must be non-negative; got {value!r}")
+    if len(set(out)) != len(out):
+        raise ValueError(f"{name} must not repeat an index; got {value!r}")
+    return out
+
+
+def leading_batch_size(args: Sequence[Any], batch_argnums: tuple[int, ...]) -> int:
+    """Returns the common leading-axis size of every leaf of the batch arguments."""
+    sizes: dict[str, int] = {}
+    for i in batch_argnums:
+        for path, leaf in jax.tree_util.tree_flatten_with_path(args[i])[0]:
+            where = f"argument {i}{jax.tree_util.keystr(path)}"
+            shape = np.shape(leaf)
+            if not shape:
+                raise ValueError(
+                    f"batch_argnums: every leaf of a batch argument needs a leading batch axis; "
+                    f"{where} is a scalar"
+                )
+            sizes[where] = shape[0]
+    if not sizes:
+        raise ValueError(f"batch_argnums={batch_argnums}: the batch arguments hold no array leaves")
+    distinct = set(sizes.values())
+    if len(distinct) > 1:
+        listing = ", ".join(f"{k}: {v}" for k, v in sizes.items())
+        raise ValueError(
+            f"batch_argnums: the leaves of the batch arguments must share one leading batch "
+            f"size; got {listing}"
+        )
+    (size,) = distinct
+    if size == 0:
+        raise ValueError("batch_argnums: the batch is empty (leading batch size 0)")
+    return int(size)
+
+
+def scalar(value: Any, what: str, *, floating: bool) -> None:
+    """Checks that an (abstract) value is a scalar (of a floating dtype when ``floating``)."""
+    shape = getattr(value, "shape", None)
+    dtype = getattr(value, "dtype", None)
+    if shape is None or dtype is None:
+        raise TypeError(f"{what} must be a scalar array; got {type(value).__name__}: {value!r}")
+    if shape != ():
+        raise ValueError(
+            f"{what} must be a scalar (the mean over the micro-batch); got shape {shape}"
+        )
+    kinds = (jnp.floating,) if floating else (jnp.floating, jnp.integer, jnp.bool_)
+    if not any(jnp.issubdtype(dtype, kind) for kind in kinds):
+        expected = "a floating dtype" if floating else "a real dtype"
+        raise TypeError(f"{what} must have {expected}; got dtype {dtype}")

@@ -1,0 +1,107 @@
+"""Shared test helpers: one tree comparison, a small MLP with a mean loss, random data."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+if "JAXACCUM_MNIST_DIR" not in os.environ and (ROOT.parent / "shared" / "mnist").is_dir():
+    os.environ["JAXACCUM_MNIST_DIR"] = str(ROOT.parent / "shared" / "mnist")
+
+
+def max_rel_diff(actual, expected) -> float:
+    """Max abs difference over all leaves, relative to the max |expected| (at least 1e-30)."""
+    a_leaves, a_def = jax.tree.flatten(actual)
+    e_leaves, e_def = jax.tree.flatten(expected)
+    assert a_def == e_def, f"tree structures differ: {a_def} vs {e_def}"
+    diff = max(
+        (
+            float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(e, np.float64))))
+            for a, e in zip(a_leaves, e_leaves, strict=True)
+            if np.size(e)
+        ),
+        default=0.0,
+    )
+    scale = max(
+        (float(np.max(np.abs(np.asarray(e, np.float64)))) for e in e_leaves if np.size(e)),
+        default=0.0,
+    )
+    return diff / max(scale, 1e-30)
+
+
+def assert_trees_close(actual, expected, rtol: float) -> float:
+    """Asserts max |actual - expected| <= rtol * max |expected| over the whole tree."""
+    d = max_rel_diff(actual, expected)
+    assert d <= rtol, f"max abs difference relative to max |expected| is {d:.3e} > {rtol:.1e}"
+    return d
+
+
+def mlp_params(key, sizes=(8, 16, 4), dtype=jnp.float32):
+    params = {}
+    for i, (m, n) in enumerate(zip(sizes[:-1], sizes[1:], strict=True)):
+        key, k1, k2 = jax.random.split(key, 3)
+        params[f"layer{i}"] = {
+            "w": (jax.random.normal(k1, (m, n)) / np.sqrt(m)).astype(dtype),
+            "b": (0.1 * jax.random.normal(k2, (n,))).astype(dtype),
+        }
+    return params
+
+
+def mlp_apply(params, x):
+    n = len(params)
+    for i in range(n):
+        layer = params[f"layer{i}"]
+        x = x @ layer["w"] + layer["b"]
+        if i < n - 1:
+            x = jnp.tanh(x)
+    return x
+
+
+def mse_loss(params, batch):
+    """Mean over the examples it is given."""
+    x, y = batch
+    return jnp.mean((mlp_apply(params, x) - y) ** 2)
+
+
+def random_batch(key, batch_size, sizes=(8, 16, 4)):
+    kx, ky = jax.random.split(key)
+    return (
+        jax.random.normal(kx, (batch_size, sizes[0])),
+        jax.random.normal(ky, (batch_size, sizes[-1])),
+    )
+
+
+def optimizers():
+    """The optimizers the trajectory tests run: name -> factory (fresh transform per call)."""
+    schedule = lambda: optax.warmup_cosine_decay_schedule(0.0, 1e-2, 2, 5)  # noqa: E731
+    return {
+        "sgd": lambda: optax.sgd(0.05),
+        "momentum": lambda: optax.sgd(0.05, momentum=0.9),
+        "adam": lambda: optax.adam(1e-2),
+        "adamw_schedule": lambda: optax.adamw(schedule(), weight_decay=1e-2),
+        "clip_adam": lambda: optax.chain(optax.clip_by_global_norm(0.1), optax.adam(1e-2)),
+        "adagrad": lambda: optax.adagrad(0.05),
+    }
+
+
+def full_batch_trajectory(loss_fn, optimizer, params, batches):
+    """The reference: plain jax.value_and_grad on each full batch and one update."""
+
+    @jax.jit
+    def step(params, state, batch):
+        grads = jax.grad(loss_fn)(params, batch)
+        updates, state = optimizer.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    state = optimizer.init(params)
+    for batch in batches:
+        params, state = step(params, state, batch)
+    return params

@@ -1,0 +1,292 @@
+"""jaxaccum.value_and_grad equals the full-batch jax.value_and_grad."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import assert_trees_close, max_rel_diff, mlp_apply, mlp_params, mse_loss, random_batch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import jaxaccum
+
+KEY = jax.random.key(0)
+PARAMS = mlp_params(KEY)
+BATCH = random_batch(jax.random.key(1), 64)
+
+
+@pytest.mark.parametrize("k", [1, 2, 4, 8, 16, 64])
+def test_equals_full_batch(k):
+    expected_loss, expected_grads = jax.jit(jax.value_and_grad(mse_loss))(PARAMS, BATCH)
+    loss, grads = jax.jit(jaxaccum.value_and_grad(mse_loss, num_microbatches=k))(PARAMS, BATCH)
+    assert_trees_close(loss, expected_loss, 1e-6)
+    assert_trees_close(grads, expected_grads, 1e-6)
+    assert jax.tree.map(lambda g: g.dtype, grads) == jax.tree.map(lambda g: g.dtype, PARAMS)
+
+
+@pytest.mark.parametrize("size", [1, 8, 64])
+def test_microbatch_size_matches_num_microbatches(size):
+    by_size = jax.jit(jaxaccum.value_and_grad(mse_loss, microbatch_size=size))(PARAMS, BATCH)
+    by_count = jax.jit(jaxaccum.value_and_grad(mse_loss, num_microbatches=64 // size))(
+        PARAMS, BATCH
+    )
+    assert max_rel_diff(by_size, by_count) == 0.0
+
+
+def test_k1_emits_no_scan():
+    fn = jaxaccum.value_and_grad(mse_loss, num_microbatches=1)
+    assert "scan" not in str(jax.make_jaxpr(fn)(PARAMS, BATCH))
+    assert "scan" in str(
+        jax.make_jaxpr(jaxaccum.value_and_grad(mse_loss, num_microbatches=2))(PARAMS, BATCH)
+    )
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_has_aux_stacks_per_microbatch(k):
+    def loss_with_aux(params, batch):
+        pred = mlp_apply(params, batch[0])
+        return jnp.mean((pred - batch[1]) ** 2), {"first": pred[0], "n": batch[0].shape[0]}
+
+    (loss, aux), grads = jax.jit(
+        jaxaccum.value_and_grad(loss_with_aux, num_microbatches=k, has_aux=True)
+    )(PARAMS, BATCH)
+    assert aux["first"].shape == (k, 4)
+    np.testing.assert_array_equal(aux["n"], np.full(k, 64 // k))
+    # Each micro-batch's first prediction is example i * (64 / k) of the full batch.
+    full_pred = mlp_apply(PARAMS, BATCH[0])
+    np.testing.assert_allclose(aux["first"], full_pred[:: 64 // k], rtol=1e-6, atol=1e-6)
+    assert_trees_close(loss, mse_loss(PARAMS, BATCH), 1e-6)
+
+
+def test_argnums_tuple_batch_argnums_and_rest():
+    def loss(params, scale, x, offset, y):
+        return jnp.mean((scale * mlp_apply(params, x) + offset - y) ** 2)
+
+    scale = jnp.asarray(1.5)
+    x, y = BATCH
+    expected = jax.value_and_grad(loss, argnums=(0, 1))(PARAMS, scale, x, 0.25, y)
+    got = jax.jit(
+        jaxaccum.value_and_grad(loss, num_microbatches=8, argnums=(0, 1), batch_argnums=(2, 4))
+    )(PARAMS, scale, x, 0.25, y)
+    assert_trees_close(got, expected, 1e-6)
+
+
+def masked_loss(params, batch):
+    """(mean over valid examples, number of valid examples)."""
+    x, y, mask = batch
+    per_example = jnp.mean((mlp_apply(params, x) - y) ** 2, axis=-1)
+    count = jnp.sum(mask)
+    return jnp.sum(per_example * mask) / count, count  # 0/0 = NaN when count == 0
+
+
+def uneven_mask():
+    # 8 micro-batches of 8: valid counts 8, 1, 0, 5, 8, 2, 3, 7 (the third is empty).
+    counts = [8, 1, 0, 5, 8, 2, 3, 7]
+    return jnp.asarray(np.concatenate([np.arange(8) < c for c in counts]).astype(np.float32))
+
+
+def test_weighted_uneven_equals_full_masked_mean():
+    mask = uneven_mask()
+    batch = (*BATCH, mask)
+    expected = jax.value_and_grad(lambda p, b: masked_loss(p, b)[0])(PARAMS, batch)
+    got = jax.jit(jaxaccum.value_and_grad(masked_loss, num_microbatches=8, weighted=True))(
+        PARAMS, batch
+    )
+    assert np.isfinite(got[0])
+    assert_trees_close(got, expected, 1e-6)
+
+
+def test_mean_of_microbatch_means_is_wrong():
+    """The bug fixed in Hugging Face's accumulation in 2024: averaging per-micro-batch means."""
+    mask = uneven_mask()
+    batch = (*BATCH, mask)
+    expected_loss, expected = jax.value_and_grad(lambda p, b: masked_loss(p, b)[0])(PARAMS, batch)
+
+    def per_microbatch_mean(p, b):
+        x, y, mask = b
+        per_example = jnp.mean((mlp_apply(p, x) - y) ** 2, axis=-1)
+        return jnp.sum(per_example * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+
+    naive_loss, naive = jaxaccum.value_and_grad(per_microbatch_mean, num_microbatches=8)(
+        PARAMS, batch
+    )
+    assert max_rel_diff(naive, expected) > 0.05
+    assert abs(float(naive_loss - expected_loss)) > 1e-3 * abs(float(expected_loss))
+
+
+def test_weighted_all_zero_gives_zero_not_nan():
+    batch = (*BATCH, jnp.zeros(64))
+    loss, grads = jax.jit(jaxaccum.value_and_grad(masked_loss, num_microbatches=4, weighted=True))(
+        PARAMS, batch
+    )
+    assert float(loss) == 0.0
+    assert all(float(jnp.max(jnp.abs(g))) == 0.0 for g in jax.tree.leaves(grads))
+
+
+def dropout_loss(params, batch):
+    """Dropout (keep 0.8) on the hidden layer, the mask drawn per example from its own key."""
+    x, y, keys = batch
+    layer0, layer1 = params["layer0"], params["layer1"]
+    h = jnp.tanh(x @ layer0["w"] + layer0["b"])
+    keep = jax.vmap(lambda k: jax.random.bernoulli(k, 0.8, h.shape[1:]))(keys)
+    h = jnp.where(keep, h / 0.8, 0.0)
+    return jnp.mean((h @ layer1["w"] + layer1["b"] - y) ** 2)
+
+
+def test_dropout_per_example_keys_independent_of_k():
+    keys = jaxaccum.per_example_keys(jax.random.key(7), 64)
+    batch = (*BATCH, keys)
+    grads = [
+        jax.jit(jaxaccum.value_and_grad(dropout_loss, num_microbatches=k))(PARAMS, batch)[1]
+        for k in (1, 8)
+    ]
+    assert_trees_close(grads[1], grads[0], 1e-6)
+
+
+def test_dropout_single_batch_key_depends_on_k():
+    """One key per call: each micro-batch draws with the same key, so masks change with k."""
+
+    def batch_key_loss(params, batch, key):
+        x, y = batch
+        keys = jax.random.split(key, x.shape[0])  # what a batch-level key does
+        return dropout_loss(params, (x, y, keys))
+
+    key = jax.random.key(7)
+    grads = [
+        jax.jit(jaxaccum.value_and_grad(batch_key_loss, num_microbatches=k))(PARAMS, BATCH, key)[1]
+        for k in (1, 8)
+    ]
+    assert max_rel_diff(grads[1], grads[0]) > 1e-2
+
+
+@pytest.mark.parametrize("remat", [True, jax.checkpoint_policies.nothing_saveable])
+def test_remat_same_result(remat):
+    plain = jax.jit(jaxaccum.value_and_grad(mse_loss, num_microbatches=4))(PARAMS, BATCH)
+    rematted = jax.jit(jaxaccum.value_and_grad(mse_loss, num_microbatches=4, remat=remat))(
+        PARAMS, BATCH
+    )
+    assert_trees_close(rematted, plain, 1e-6)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_gradient_dtype_follows_params_accumulator_float32(dtype):
+    params = mlp_params(KEY, dtype=dtype)
+    batch = jax.tree.map(lambda x: x.astype(dtype), BATCH)
+    loss, grads = jax.jit(jaxaccum.value_and_grad(mse_loss, num_microbatches=8))(params, batch)
+    assert loss.dtype == dtype
+    assert all(g.dtype == dtype for g in jax.tree.leaves(grads))
+    ref = jax.value_and_grad(mse_loss)(
+        jax.tree.map(lambda p: p.astype(jnp.float32), params),
+        jax.tree.map(lambda x: x.astype(jnp.float32), batch),
+    )
+    assert_trees_close(grads, ref[1], 1e-6 if dtype == jnp.float32 else 2e-2)
+
+
+# --- bad input: one test each, messages name the argument and the values ---------------------
+
+
+def test_k_not_dividing_batch():
+    with pytest.raises(ValueError, match=r"num_microbatches=3 does not divide the batch size 64"):
+        jax.jit(jaxaccum.value_and_grad(mse_loss, num_microbatches=3))(PARAMS, BATCH)
+
+
+def test_microbatch_size_not_dividing_batch():
+    with pytest.raises(ValueError, match=r"microbatch_size=5 does not divide the batch size 64"):
+        jaxaccum.value_and_grad(mse_loss, microbatch_size=5)(PARAMS, BATCH)
+
+
+@pytest.mark.parametrize("bad", [0, -2])
+def test_k_below_one(bad):
+    with pytest.raises(
+        ValueError, match=rf"num_microbatches must be >= 1; got num_microbatches={bad}"
+    ):
+        jaxaccum.value_and_grad(mse_loss, num_microbatches=bad)
+
+
+def test_k_not_int():
+    with pytest.raises(TypeError, match=r"num_microbatches must be a positive int; got 2.0"):
+        jaxaccum.value_and_grad(mse_loss, num_microbatches=2.0)
+
+
+@pytest.mark.parametrize(("n", "m"), [(None, None), (2, 32)])
+def test_both_or_neither_count(n, m):
+    with pytest.raises(ValueError, match=r"exactly one of num_microbatches and microbatch_size"):
+        jaxaccum.value_and_grad(mse_loss, num_microbatches=n, microbatch_size=m)
+
+
+def test_leaves_with_different_batch_sizes():
+    x, y = BATCH
+    with pytest.raises(
+        ValueError, match=r"share one leading batch size; got .*\[0\]: 64, .*\[1\]: 32"
+    ):
+        jax.jit(jaxaccum.value_and_grad(mse_loss, num_microbatches=2))(PARAMS, (x, y[:32]))
+
+
+def test_non_scalar_loss():
+    def per_example(params, batch):
+        return jnp.mean((mlp_apply(params, batch[0]) - batch[1]) ** 2, axis=-1)
+
+    with pytest.raises(
+        ValueError, match=r"the loss returned by fun must be a scalar.*shape \(16,\)"
+    ):
+        jax.jit(jaxaccum.value_and_grad(per_example, num_microbatches=4))(PARAMS, BATCH)
+
+
+def test_weighted_without_weight():
+    with pytest.raises(TypeError, match=r"fun must return \(loss, weight\)"):
+        jaxaccum.value_and_grad(mse_loss, num_microbatches=2, weighted=True)(PARAMS, BATCH)
+
+
+def test_argnums_overlapping_batch():
+    with pytest.raises(ValueError, match=r"argnums=1 and batch_argnums=1 overlap"):
+        jaxaccum.value_and_grad(mse_loss, num_microbatches=2, argnums=1)
+
+
+def test_scalar_batch_leaf():
+    with pytest.raises(ValueError, match=r"argument 1\[1\] is a scalar"):
+        jaxaccum.value_and_grad(mse_loss, num_microbatches=2)(PARAMS, (BATCH[0], 1.0))
+
+
+# --- property test -----------------------------------------------------------------------
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    data=st.data(),
+    micro=st.integers(1, 6),
+    k=st.sampled_from([1, 2, 3, 4, 6]),
+    features=st.lists(st.integers(1, 5), min_size=1, max_size=3),
+)
+def test_property_weighted_equivalence(data, micro, k, features):
+    batch_size = micro * k
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**31 - 1)))
+    weights = data.draw(
+        st.lists(st.sampled_from([0.0, 1.0, 2.0, 0.5]), min_size=batch_size, max_size=batch_size)
+    )
+    params = {
+        f"w{i}": jnp.asarray(rng.normal(size=(f,)), jnp.float32) for i, f in enumerate(features)
+    }
+    xs = {
+        f"w{i}": jnp.asarray(rng.normal(size=(batch_size, f)), jnp.float32)
+        for i, f in enumerate(features)
+    }
+    w = jnp.asarray(weights, jnp.float32)
+
+    def per_example(p, x):
+        return sum(jnp.sum(jnp.sin(x[n] * p[n]), axis=-1) ** 2 for n in p)
+
+    def loss(p, batch):
+        x, w = batch
+        total = jnp.sum(w)
+        return jnp.sum(per_example(p, x) * w) / jnp.maximum(total, 1e-30), total
+
+    def full(p, batch):
+        x, w = batch
+        total = jnp.sum(w)
+        return jnp.where(total > 0, jnp.sum(per_example(p, x) * w) / jnp.maximum(total, 1e-30), 0)
+
+    expected = jax.value_and_grad(full)(params, (xs, w))
+    got = jax.jit(jaxaccum.value_and_grad(loss, num_microbatches=k, weighted=True))(params, (xs, w))
+    assert_trees_close(got, expected, 1e-5)

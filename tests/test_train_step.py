@@ -1,0 +1,92 @@
+"""jaxaccum.train_step: k micro-batches follow the full-batch trajectory."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from conftest import (
+    assert_trees_close,
+    full_batch_trajectory,
+    mlp_params,
+    mse_loss,
+    optimizers,
+    random_batch,
+)
+
+import jaxaccum
+
+PARAMS = mlp_params(jax.random.key(0))
+BATCHES = [random_batch(jax.random.key(10 + i), 64) for i in range(5)]
+
+
+def copy(tree):
+    return jax.tree.map(jnp.array, tree)
+
+
+@pytest.mark.parametrize("k", [4, 16])
+@pytest.mark.parametrize("name", list(optimizers()))
+def test_trajectory_equals_full_batch(name, k):
+    optimizer = optimizers()[name]()
+    expected = full_batch_trajectory(mse_loss, optimizer, PARAMS, BATCHES)
+    step = jaxaccum.train_step(mse_loss, optimizer, num_microbatches=k)
+    params = copy(PARAMS)
+    state = optimizer.init(params)
+    for batch in BATCHES:
+        params, state, loss, aux = step(params, state, batch)
+    assert aux is None
+    assert_trees_close(params, expected, 1e-5)
+    moved = jax.tree.map(lambda a, b: a - b, expected, PARAMS)
+    assert max(float(jnp.max(jnp.abs(m))) for m in jax.tree.leaves(moved)) > 1e-3
+
+
+def test_loss_and_aux_returned():
+    def loss_aux(params, batch):
+        loss = mse_loss(params, batch)
+        return loss, {"loss": loss}
+
+    optimizer = optax.sgd(0.1)
+    step = jaxaccum.train_step(loss_aux, optimizer, microbatch_size=16, has_aux=True)
+    params = copy(PARAMS)
+    expected_loss = mse_loss(PARAMS, BATCHES[0])
+    _, _, loss, aux = step(params, optimizer.init(params), BATCHES[0])
+    assert aux["loss"].shape == (4,)
+    assert_trees_close(loss, expected_loss, 1e-6)
+    assert_trees_close(jnp.mean(aux["loss"]), expected_loss, 1e-6)
+
+
+def test_params_and_state_are_donated():
+    optimizer = optax.adam(1e-3)
+    step = jaxaccum.train_step(mse_loss, optimizer, num_microbatches=4)
+    params = copy(PARAMS)
+    state = optimizer.init(params)
+    new_params, new_state, _, _ = step(params, state, BATCHES[0])
+    assert all(p.is_deleted() for p in jax.tree.leaves(params))
+    assert not any(p.is_deleted() for p in jax.tree.leaves(new_params))
+    kept = jaxaccum.train_step(mse_loss, optimizer, num_microbatches=4, donate=False)
+    params = copy(PARAMS)
+    kept(params, optimizer.init(params), BATCHES[0])
+    assert not any(p.is_deleted() for p in jax.tree.leaves(params))
+
+
+def test_weighted_train_step_equals_masked_full_batch():
+    mask = (jnp.arange(64) % 7 < 3).astype(jnp.float32).at[16:32].set(0.0)
+    batch = (*BATCHES[0], mask)
+
+    def masked(params, batch):
+        x, y, m = batch
+        per_example = jnp.mean((x @ params["layer0"]["w"] @ params["layer1"]["w"] - y) ** 2, -1)
+        return jnp.sum(per_example * m) / jnp.maximum(jnp.sum(m), 1), jnp.sum(m)
+
+    optimizer = optax.adam(1e-2)
+    expected = full_batch_trajectory(lambda p, b: masked(p, b)[0], optimizer, PARAMS, [batch])
+    step = jaxaccum.train_step(masked, optimizer, num_microbatches=4, weighted=True)
+    params = copy(PARAMS)
+    params, _, _, _ = step(params, optimizer.init(params), batch)
+    assert_trees_close(params, expected, 1e-5)
+
+
+def test_optimizer_type_checked():
+    with pytest.raises(TypeError, match=r"optimizer must be an optax.GradientTransformation"):
+        jaxaccum.train_step(mse_loss, "adam", num_microbatches=2)
