@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -105,3 +106,17 @@ def full_batch_trajectory(loss_fn, optimizer, params, batches):
     for batch in batches:
         params, state = step(params, state, batch)
     return params
+
+
+@pytest.fixture(scope="session")
+def mnist(tmp_path_factory):
+    """Real MNIST from the shared folder, prepared once per session in a temporary data_dir."""
+    import tensorflow_datasets as tfds
+
+    from jaxaccum import gist
+
+    manual = os.environ.get("JAXACCUM_MNIST_DIR")
+    if not manual or not pathlib.Path(manual).is_dir():
+        pytest.fail("set JAXACCUM_MNIST_DIR to a folder with the four MNIST .gz files")
+    tfds.disable_progress_bar()
+    return gist.Mnist.load(str(tmp_path_factory.mktemp("tfds")), manual)

@@ -1,0 +1,83 @@
+"""jaxaccum.data: MNIST through the project's TFDS builder, offline; the example stream."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import shutil
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from jaxaccum import data
+
+# From ../shared/mnist/README.md.
+TRAIN_COUNTS = [5923, 6742, 5958, 6131, 5842, 5421, 5918, 6265, 5851, 5949]
+TEST_COUNTS = [980, 1135, 1032, 1010, 982, 892, 958, 1028, 974, 1009]
+
+
+def test_splits_sizes_labels_and_pixels(mnist):
+    assert mnist.train_images.shape == (60_000, 784)
+    assert mnist.test_images.shape == (10_000, 784)
+    assert mnist.train_images.dtype == np.float32 and mnist.train_labels.dtype == np.int32
+    assert np.bincount(mnist.train_labels).tolist() == TRAIN_COUNTS
+    assert np.bincount(mnist.test_labels).tolist() == TEST_COUNTS
+    assert float(mnist.train_images.min()) == 0.0 and float(mnist.train_images.max()) == 1.0
+    np.testing.assert_allclose(mnist.train_images.mean(), 0.13066, atol=5e-6)
+    np.testing.assert_allclose(mnist.train_images.std(), 0.30811, atol=5e-6)
+
+
+def test_corrupted_file_is_rejected(tmp_path):
+    manual = tmp_path / "manual"
+    shutil.copytree(os.environ["JAXACCUM_MNIST_DIR"], manual)
+    target = manual / "t10k-labels-idx1-ubyte.gz"
+    target.chmod(0o644)
+    raw = bytearray(target.read_bytes())
+    raw[100] ^= 0xFF
+    target.write_bytes(bytes(raw))
+    with pytest.raises(ValueError, match=r"does not match its recorded size and sha256"):
+        data.mnist("test", data_dir=tmp_path / "tfds", manual_dir=manual)
+
+
+def test_unknown_split():
+    with pytest.raises(
+        ValueError, match=r"split must be one of \['test', 'train'\]; got split='val'"
+    ):
+        data.mnist("val")
+
+
+def test_checksums_are_tfds_own():
+    import tensorflow_datasets as tfds
+
+    ours = (pathlib.Path(data.__file__).parent / "checksums.tsv").read_text().split()
+    theirs = (
+        (pathlib.Path(tfds.__file__).parent / "url_checksums" / "mnist.txt").read_text().split()
+    )
+    assert sorted(ours) == sorted(theirs)
+
+
+@settings(max_examples=30, deadline=None)
+@given(sizes=st.lists(st.integers(0, 17), min_size=1, max_size=12), seed=st.integers(0, 99))
+def test_stream_depends_only_on_count(sizes, seed):
+    n = 23
+    a = data.ExampleStream(np.arange(n), np.arange(n), seed)
+    b = data.ExampleStream(np.arange(n), np.arange(n), seed)
+    chunks = np.concatenate([a.next_batch(s)[0] for s in sizes])
+    np.testing.assert_array_equal(chunks, b.next_batch(sum(sizes))[0])
+
+
+def test_stream_reshuffles_each_epoch():
+    s = data.ExampleStream(np.arange(50), np.arange(50), seed=3)
+    first, second = s.next_batch(50)[0], s.next_batch(50)[0]
+    assert sorted(first) == sorted(second) == list(range(50))
+    assert not np.array_equal(first, second)
+    assert s.epoch == 1
+
+
+def test_stream_errors():
+    with pytest.raises(ValueError, match=r"got 3 images and 2 labels"):
+        data.ExampleStream(np.zeros(3), np.zeros(2), 0)
+    with pytest.raises(ValueError, match=r"n must be >= 0; got n=-1"):
+        data.ExampleStream(np.zeros(3), np.zeros(3), 0).next_batch(-1)
