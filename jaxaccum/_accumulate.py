@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 from jax.typing import DTypeLike
 
 from jaxaccum import _validation
@@ -22,11 +25,13 @@ class Sums(NamedTuple):
       loss: sum over micro-batches of ``weight_i * loss_i`` (unweighted: ``weight_i = 1``).
       grads: the matching sum of gradients, in the accumulator dtype.
       weight: sum of the weights (unweighted: the number of micro-batches).
+      skipped: int32, micro-batches left out for a non-finite loss or gradient.
     """
 
     loss: jax.Array
     grads: Any
     weight: jax.Array
+    skipped: jax.Array
 
 
 def accumulator_dtype_for(dtype: DTypeLike, accumulator_dtype: DTypeLike | None) -> Any:
@@ -64,6 +69,48 @@ def _with_remat(fun: Callable[..., Any], remat: bool | RematPolicy) -> Callable[
     if callable(remat):
         return jax.checkpoint(fun, policy=remat)
     raise TypeError(f"remat must be a bool or a jax.checkpoint policy; got {remat!r}")
+
+
+def _mesh_axes(
+    mesh: jax.sharding.Mesh | None, data_axis: str | tuple[str, ...] | None
+) -> tuple[str, ...] | None:
+    """Checks the data-parallel arguments; returns the data axes as a tuple (None: no mesh)."""
+    if mesh is None:
+        if data_axis is not None:
+            raise ValueError(f"data_axis={data_axis!r} was given without a mesh")
+        return None
+    if not isinstance(mesh, jax.sharding.Mesh):
+        raise TypeError(f"mesh must be a jax.sharding.Mesh; got {type(mesh).__name__}")
+    if data_axis is None:
+        if len(mesh.axis_names) != 1:
+            raise ValueError(
+                f"data_axis must name the batch axis of a mesh with several axes; mesh axes are "
+                f"{mesh.axis_names}"
+            )
+        return tuple(mesh.axis_names)
+    axes = (data_axis,) if isinstance(data_axis, str) else tuple(data_axis)
+    missing = [a for a in axes if a not in mesh.axis_names]
+    if missing or not axes:
+        raise ValueError(
+            f"data_axis={data_axis!r} is not an axis of the mesh; mesh axes are {mesh.axis_names}"
+        )
+    return axes
+
+
+def _all_finite(tree: Any) -> jax.Array:
+    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]
+    return jnp.all(jnp.stack(leaves)) if leaves else jnp.asarray(True)
+
+
+def _check_differentiable(tree: Any) -> None:
+    """Gradients need floating leaves: say which leaf is not, at trace time."""
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        dtype = jnp.result_type(leaf)
+        if not jnp.issubdtype(dtype, jnp.inexact):
+            raise TypeError(
+                f"argnums: the differentiated argument's leaf {jax.tree_util.keystr(path) or '.'} "
+                f"has dtype {dtype}; gradients need floating (or complex) leaves"
+            )
 
 
 def _split_output(out: Any, *, has_aux: bool, weighted: bool) -> tuple[Any, Any, Any]:
@@ -104,6 +151,9 @@ def value_and_grad(
     accumulator_dtype: DTypeLike | None = jnp.float32,
     remat: bool | RematPolicy = False,
     unroll: int | bool = 1,
+    mesh: jax.sharding.Mesh | None = None,
+    data_axis: str | tuple[str, ...] | None = None,
+    skip_nonfinite: bool = False,
 ) -> Callable[..., tuple[Any, Any]]:
     """Like ``jax.value_and_grad``, but the batch is processed as k micro-batches in one scan.
 
@@ -140,7 +190,26 @@ def value_and_grad(
         dtypes of the differentiated arguments, as with ``jax.grad``.
       remat: ``True`` wraps ``fun`` in ``jax.checkpoint``; a ``jax.checkpoint_policies`` policy
         is passed on as ``policy``. Trades recomputation for activation memory.
-      unroll: passed to ``jax.lax.scan``.
+      unroll: passed to ``jax.lax.scan``; unrolling a few iterations cuts loop overhead when
+        micro-batches are tiny, at the price of compile time.
+      mesh: data parallelism: a ``jax.sharding.Mesh``. The batch is split along
+        ``data_axis`` (it must divide the batch size); every other argument, the parameters
+        included, is replicated. Each device scans over *its own* k micro-batches (so k and
+        ``microbatch_size`` are per device: micro-batches hold ``B / (devices * k)``
+        examples), and the loss, gradient and weight sums are reduced across devices once,
+        after the scan, with one ``psum``: the all-reduce count does not grow with k, and the
+        batch is never all-gathered. Weighted mode divides by the global sum of weights. The
+        aux values come back stacked over devices and micro-batches (``devices * k``). Works
+        with meshes from ``jax.make_mesh`` (Explicit axes: the arguments are resharded to
+        the batch spec and replicated) and with Auto-axis meshes, and in multi-process runs
+        (``jax.distributed``), where the batch is a global array.
+      data_axis: the mesh axis (or axes) the batch is split over; may be omitted for a
+        one-axis mesh.
+      skip_nonfinite: leave out every micro-batch whose loss or gradient holds a NaN or an
+        infinity, and renormalise: the result is the exact (weighted) mean over the remaining
+        micro-batches, and 0 if none remains. The value then carries a count: it is
+        ``(loss, {"aux": aux or None, "skipped": int32 count, "num_microbatches": k})``.
+        Without it a NaN propagates to the result (nothing is masked silently).
 
     Returns:
       A function with the signature of ``fun`` returning ``(value, grads)``, where ``value`` is
@@ -180,6 +249,7 @@ def value_and_grad(
             "and cannot be differentiated as a whole"
         )
     checked_fun = _with_remat(fun, remat)
+    axes = _mesh_axes(mesh, data_axis)
 
     def micro_fun(*args: Any) -> tuple[jax.Array, tuple[Any, Any]]:
         loss, weight, aux = _split_output(checked_fun(*args), has_aux=has_aux, weighted=weighted)
@@ -190,25 +260,30 @@ def value_and_grad(
     def micro_step(args: tuple[Any, ...], sums: Sums) -> tuple[Sums, Any]:
         (loss, (weight, aux)), grads = grad_fun(*args)
         loss = loss.astype(sums.loss.dtype)
-        if weighted:
-            weight = jax.lax.stop_gradient(weight).astype(sums.weight.dtype)
-            valid = weight > 0
-            new = Sums(
-                loss=sums.loss + jnp.where(valid, weight * loss, 0),
-                grads=jax.tree.map(
-                    lambda acc, g: acc + jnp.where(valid, weight.astype(acc.dtype) * g, 0),
-                    sums.grads,
-                    grads,
-                ),
-                weight=sums.weight + weight,
-            )
-        else:
-            new = Sums(
+        skipped = sums.skipped
+        if skip_nonfinite:
+            finite = _all_finite((loss, grads))
+            skipped = skipped + jnp.logical_not(finite).astype(jnp.int32)
+            weight = jnp.where(finite, 1 if weight is None else weight, 0)
+        if weight is None:  # unweighted: a plain sum, divided by k once at the end
+            return Sums(
                 loss=sums.loss + loss,
                 grads=jax.tree.map(lambda acc, g: acc + g, sums.grads, grads),
                 weight=sums.weight + 1,
-            )
-        return new, aux
+                skipped=skipped,
+            ), aux
+        weight = jax.lax.stop_gradient(weight).astype(sums.weight.dtype)
+        valid = weight > 0  # a 0-weight micro-batch adds nothing, even NaN from 0/0
+        return Sums(
+            loss=sums.loss + jnp.where(valid, weight * loss, 0),
+            grads=jax.tree.map(
+                lambda acc, g: acc + jnp.where(valid, weight.astype(acc.dtype) * g, 0),
+                sums.grads,
+                grads,
+            ),
+            weight=sums.weight + weight,
+            skipped=skipped,
+        ), aux
 
     @functools.wraps(fun)
     def accumulated(*args: Any) -> tuple[Any, Any]:
@@ -219,21 +294,64 @@ def value_and_grad(
                 f"positional arguments; got {len(args)}"
             )
         batch_size = _validation.leading_batch_size(args, split_argnums)
-        k = _validation.resolve_num_microbatches(batch_size, num_microbatches, microbatch_size)
-        sums, aux, out_loss = local_sums(args, k, batch_size // k)
-        loss = safe_divide(sums.loss, sums.weight) if weighted else sums.loss / sums.weight
-        grads = safe_divide(sums.grads, sums.weight) if weighted else _divide(sums)
+        _check_differentiable(_differentiated(args))
+        if mesh is None:
+            k = _validation.resolve_num_microbatches(batch_size, num_microbatches, microbatch_size)
+            loss, grads, aux, skipped = reduce_and_finalize(args, k, batch_size // k, None)
+        else:
+            loss, grads, aux, skipped, k = data_parallel(args, batch_size)
+        if skip_nonfinite:
+            info = {"aux": aux if has_aux else None, "skipped": skipped, "num_microbatches": k}
+            return (loss, info), grads
+        return ((loss, aux) if has_aux else loss), grads
+
+    def reduce_and_finalize(
+        args: tuple[Any, ...], k: int, size: int, axes: tuple[str, ...] | None
+    ) -> tuple[jax.Array, Any, Any, jax.Array]:
+        """Scans this device's micro-batches, reduces over ``axes`` once, divides once."""
+        sums, aux, out_loss = local_sums(args, k, size)
+        if axes is not None:
+            sums = jax.lax.psum(sums, axes)  # the only collective: once per step
+        if weighted or skip_nonfinite:
+            loss, grads = safe_divide(sums.loss, sums.weight), safe_divide(sums.grads, sums.weight)
+        else:
+            loss = sums.loss / sums.weight
+            grads = jax.tree.map(lambda g: g / sums.weight.astype(g.dtype), sums.grads)
         grads = cast_like(grads, _differentiated(args))
-        value = loss.astype(out_loss.dtype)
-        return ((value, aux) if has_aux else value), grads
+        return loss.astype(out_loss.dtype), grads, aux, sums.skipped
+
+    def data_parallel(args: tuple[Any, ...], batch_size: int) -> tuple[Any, ...]:
+        """Each device scans its shard; one psum of the sums after the scan."""
+        assert mesh is not None and axes is not None
+        devices = math.prod(mesh.shape[a] for a in axes)
+        if batch_size % devices:
+            raise ValueError(
+                f"the batch size {batch_size} is not divisible by the {devices} devices of "
+                f"mesh axis data_axis={data_axis!r}"
+            )
+        local_size = batch_size // devices
+        k = _validation.resolve_num_microbatches(local_size, num_microbatches, microbatch_size)
+        spec = P(axes)
+        in_specs = tuple(spec if i in split_argnums else P() for i in range(len(args)))
+        if any(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types):
+            # jax.make_mesh's default: place the arguments as shard_map expects them
+            args = tuple(
+                jax.tree.map(lambda x, s=s: jax.reshard(jnp.asarray(x), NamedSharding(mesh, s)), a)
+                for a, s in zip(args, in_specs, strict=True)
+            )
+        out = jax.shard_map(
+            lambda *local: reduce_and_finalize(local, k, local_size // k, axes),
+            mesh=mesh,
+            in_specs=in_specs,
+            out_specs=(P(), P(), spec, P()),
+            check_vma=False,
+        )(*args)
+        return (*out, k * devices)
 
     def _differentiated(args: tuple[Any, ...]) -> Any:
         if isinstance(argnums, int):
             return args[argnums]
         return tuple(args[i] for i in diff_argnums)
-
-    def _divide(sums: Sums) -> Any:
-        return jax.tree.map(lambda g: g / sums.weight.astype(g.dtype), sums.grads)
 
     def local_sums(args: tuple[Any, ...], k: int, size: int) -> tuple[Sums, Any, Any]:
         """Scans over this device's ``k`` micro-batches of ``size`` examples each."""
@@ -254,6 +372,7 @@ def value_and_grad(
             loss=jnp.zeros((), accumulator_dtype_for(out_loss.dtype, accumulator_dtype)),
             grads=zeros_accumulator(_differentiated(args), accumulator_dtype),
             weight=jnp.zeros((), jnp.float32),
+            skipped=jnp.zeros((), jnp.int32),
         )
 
         def body(sums: Sums, batch_args: tuple[Any, ...]) -> tuple[Sums, Any]:

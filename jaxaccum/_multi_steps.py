@@ -22,6 +22,8 @@ class MultiStepsState(NamedTuple):
       acc_grads: the weighted sum of the window's gradients, in the accumulator dtype.
       acc_weight: float32 scalar, the sum of the window's weights.
       inner_state: the inner optimizer's state; it changes only on emitting calls.
+      skipped: int32 scalar, how many micro-batches were left out as non-finite so far
+        (only with ``skip_nonfinite=True``).
     """
 
     micro_step: jax.Array
@@ -29,6 +31,7 @@ class MultiStepsState(NamedTuple):
     acc_grads: optax.Updates
     acc_weight: jax.Array
     inner_state: optax.OptState
+    skipped: jax.Array
 
 
 def multi_steps(
@@ -36,6 +39,7 @@ def multi_steps(
     every_k: int | Callable[[jax.Array], ArrayLike],
     *,
     accumulator_dtype: DTypeLike | None = jnp.float32,
+    skip_nonfinite: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
     """Accumulates ``every_k`` micro-batch gradients, then applies ``inner`` once to their mean.
 
@@ -60,6 +64,11 @@ def multi_steps(
       accumulator_dtype: the dtype of the accumulated gradient (never narrower than a
         gradient leaf); ``None`` keeps each gradient leaf's dtype. The emitted mean is cast
         back to the gradient's dtype.
+      skip_nonfinite: leave out a micro-batch whose gradient holds a NaN or an infinity (it
+        still counts as a call of the window) and renormalise: the emitted mean is over the
+        window's finite micro-batches. A window with none is skipped whole: zero updates, the
+        inner state and ``gradient_step`` unchanged. ``state.skipped`` counts them. Without
+        it a NaN propagates into the update.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` with state :class:`MultiStepsState`.
@@ -100,6 +109,7 @@ def multi_steps(
             acc_grads=_accumulate.zeros_accumulator(params, accumulator_dtype),
             acc_weight=jnp.zeros((), jnp.float32),
             inner_state=inner_ex.init(params),
+            skipped=jnp.zeros((), jnp.int32),
         )
 
     def update_fn(
@@ -110,50 +120,73 @@ def multi_steps(
         weight: ArrayLike | None = None,
         **extra_args: Any,
     ) -> tuple[optax.Updates, MultiStepsState]:
-        if weight is None:
-            w = jnp.ones((), jnp.float32)
+        _check_floating(updates)
+        if weight is None and not skip_nonfinite:
+            acc_grads = jax.tree.map(
+                lambda acc, g: (acc + g).astype(acc.dtype), state.acc_grads, updates
+            )
+            acc_weight = state.acc_weight + 1
+            skipped = state.skipped
         else:
-            _validation.scalar(jnp.asarray(weight), "weight", floating=False)
-            w = jnp.asarray(weight, jnp.float32)
-        valid = w > 0
-        acc_grads = jax.tree.map(
-            lambda acc, g: acc + jnp.where(valid, w.astype(acc.dtype) * g, 0),
-            state.acc_grads,
-            updates,
-        )
-        acc_weight = state.acc_weight + w
+            if weight is None:
+                w = jnp.ones((), jnp.float32)
+            else:
+                _validation.scalar(jnp.asarray(weight), "weight", floating=False)
+                w = jnp.asarray(weight, jnp.float32)
+            skipped = state.skipped
+            if skip_nonfinite:
+                finite = jnp.all(
+                    jnp.stack(
+                        [jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(updates)]
+                        or [jnp.asarray(True)]
+                    )
+                )
+                w = jnp.where(finite, w, 0.0)
+                skipped = skipped + jnp.logical_not(finite).astype(jnp.int32)
+            valid = w > 0
+            acc_grads = jax.tree.map(
+                lambda acc, g: acc + jnp.where(valid, w.astype(acc.dtype) * g, 0),
+                state.acc_grads,
+                updates,
+            )
+            acc_weight = state.acc_weight + w
         k = jnp.maximum(jnp.asarray(schedule(state.gradient_step), jnp.int32), 1)
         emit = state.micro_step + 1 >= k
 
-        def emit_branch(_: None) -> tuple[optax.Updates, MultiStepsState]:
+        # Only the inner update sits in the cond, so only it is skipped on accumulating calls;
+        # the accumulator bookkeeping is elementwise and fuses outside it.
+        def emit_branch(_: None) -> tuple[optax.Updates, optax.OptState]:
             mean = _accumulate.cast_like(_accumulate.safe_divide(acc_grads, acc_weight), updates)
-            new_updates, inner_state = inner_ex.update(
-                mean, state.inner_state, params, **extra_args
-            )
-            return new_updates, MultiStepsState(
-                micro_step=jnp.zeros((), jnp.int32),
-                gradient_step=state.gradient_step + 1,
-                acc_grads=jax.tree.map(jnp.zeros_like, acc_grads),
-                acc_weight=jnp.zeros((), jnp.float32),
-                inner_state=inner_state,
-            )
+            return inner_ex.update(mean, state.inner_state, params, **extra_args)
 
-        def accumulate_branch(_: None) -> tuple[optax.Updates, MultiStepsState]:
-            new_updates, _ = jax.eval_shape(
+        def accumulate_branch(_: None) -> tuple[optax.Updates, optax.OptState]:
+            shapes, _ = jax.eval_shape(
                 lambda: inner_ex.update(updates, state.inner_state, params, **extra_args)
             )
-            zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), new_updates)
-            return zeros, MultiStepsState(
-                micro_step=state.micro_step + 1,
-                gradient_step=state.gradient_step,
-                acc_grads=acc_grads,
-                acc_weight=acc_weight,
-                inner_state=state.inner_state,
-            )
+            return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes), state.inner_state
 
-        return jax.lax.cond(emit, emit_branch, accumulate_branch, None)
+        # With skip_nonfinite, a window without one finite micro-batch makes no step.
+        step = jnp.logical_and(emit, acc_weight > 0) if skip_nonfinite else emit
+        new_updates, inner_state = jax.lax.cond(step, emit_branch, accumulate_branch, None)
+        return new_updates, MultiStepsState(
+            micro_step=jnp.where(emit, 0, state.micro_step + 1).astype(jnp.int32),
+            gradient_step=(state.gradient_step + step).astype(jnp.int32),
+            acc_grads=jax.tree.map(lambda a: jnp.where(emit, jnp.zeros_like(a), a), acc_grads),
+            acc_weight=jnp.where(emit, 0.0, acc_weight).astype(jnp.float32),
+            inner_state=inner_state,
+            skipped=skipped,
+        )
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _check_floating(updates: optax.Updates) -> None:
+    for path, leaf in jax.tree_util.tree_flatten_with_path(updates)[0]:
+        if not jnp.issubdtype(jnp.result_type(leaf), jnp.inexact):
+            raise TypeError(
+                f"updates: leaf {jax.tree_util.keystr(path) or '.'} has dtype "
+                f"{jnp.result_type(leaf)}; multi_steps averages gradients and needs floating leaves"
+            )
 
 
 def has_updated(state: MultiStepsState) -> jax.Array:

@@ -6,6 +6,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from jaxaccum import _accumulate
@@ -19,6 +20,7 @@ def train_step(
     microbatch_size: int | None = None,
     has_aux: bool = False,
     weighted: bool = False,
+    skip_nonfinite: bool = False,
     donate: bool = True,
     **kwargs: Any,
 ) -> Callable[..., tuple[optax.Params, optax.OptState, jax.Array, Any]]:
@@ -38,6 +40,10 @@ def train_step(
       microbatch_size: the micro-batch size instead of k.
       has_aux: see :func:`jaxaccum.value_and_grad`.
       weighted: see :func:`jaxaccum.value_and_grad`.
+      skip_nonfinite: leave out micro-batches with a non-finite loss or gradient (see
+        :func:`jaxaccum.value_and_grad`); if every micro-batch is left out, the whole step is
+        skipped: ``params`` and ``opt_state`` come back unchanged. ``aux`` is then
+        ``{"aux": aux or None, "skipped": count, "num_microbatches": k}``.
       donate: donate ``params`` and ``opt_state`` to the step (saves their memory).
       **kwargs: passed on to :func:`jaxaccum.value_and_grad` (``accumulator_dtype``,
         ``remat``, ``unroll``).
@@ -73,6 +79,7 @@ def train_step(
         weighted=weighted,
         argnums=0,
         batch_argnums=1,
+        skip_nonfinite=skip_nonfinite,
         **kwargs,
     )
 
@@ -80,9 +87,17 @@ def train_step(
         params: optax.Params, opt_state: optax.OptState, batch: Any, *rest: Any
     ) -> tuple[optax.Params, optax.OptState, jax.Array, Any]:
         value, grads = grad_fn(params, batch, *rest)
-        loss, aux = value if has_aux else (value, None)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
-        return params, opt_state, loss, aux
+        loss, aux = value if has_aux or skip_nonfinite else (value, None)
+        info: Any = aux
+        updates, new_state = optimizer.update(grads, opt_state, params)
+        new_params = optax.apply_updates(params, updates)
+        if skip_nonfinite:  # nothing finite to learn from: skip the optimizer step
+            keep = info["skipped"] == info["num_microbatches"]
+            new_params, new_state = jax.tree.map(
+                lambda old, new: jnp.where(keep, old, new),
+                (params, opt_state),
+                (new_params, new_state),
+            )
+        return new_params, new_state, loss, aux
 
     return jax.jit(step, donate_argnums=(0, 1) if donate else ())

@@ -377,9 +377,11 @@ def plot(results: list[TrainResult], path: pathlib.Path) -> None:
             window = min(64, len(losses))
             losses = np.convolve(losses, np.ones(window) / window, mode="valid")
             examples = examples[window - 1 :]
-        style = {"linestyle": "--"} if r.microbatches > 1 else {}
         ax.plot(
-            examples, losses, label=f"{r.name}: batch {r.batch}, {r.microbatches} micro", **style
+            examples,
+            losses,
+            linestyle="--" if r.microbatches > 1 else "-",
+            label=f"{r.name}: batch {r.batch}, {r.microbatches} micro",
         )
     ax.set_xlabel("training examples seen")
     ax.set_ylabel("training loss (MSE)")

@@ -195,3 +195,70 @@ def test_weight_not_scalar():
 def test_inner_type_checked():
     with pytest.raises(TypeError, match=r"inner must be an optax.GradientTransformation; got str"):
         jaxaccum.multi_steps("sgd", 2)
+
+
+# --- non-finite gradients, dtypes ------------------------------------------------------------
+
+
+def feed(optimizer, grads_list, params=PARAMS):
+    update = jax.jit(optimizer.update)
+    state = optimizer.init(params)
+    outs = []
+    for g in grads_list:
+        u, state = update(g, state, params)
+        outs.append(u)
+    return outs, state
+
+
+def micro_grads(k=4):
+    return [jax.grad(mse_loss)(PARAMS, m) for m in microbatches(BATCHES[0], k)]
+
+
+def test_skip_nonfinite_renormalises():
+    grads = micro_grads()
+    bad = jax.tree.map(lambda g: g.at[(0,) * g.ndim].set(jnp.nan), grads[1])
+    outs, state = feed(
+        jaxaccum.multi_steps(optax.sgd(1.0), 4, skip_nonfinite=True),
+        [grads[0], bad, grads[2], grads[3]],
+    )
+    mean_of_rest = jax.tree.map(lambda a, b, c: -(a + b + c) / 3, grads[0], grads[2], grads[3])
+    assert_trees_close(outs[-1], mean_of_rest, 1e-6)
+    assert int(state.skipped) == 1 and int(state.gradient_step) == 1
+
+
+def test_skip_nonfinite_whole_window_makes_no_step():
+    bad = jax.tree.map(lambda g: g * jnp.inf, micro_grads()[0])
+    outs, state = feed(jaxaccum.multi_steps(optax.adam(1e-2), 2, skip_nonfinite=True), [bad, bad])
+    assert all(float(jnp.max(jnp.abs(u))) == 0.0 for u in jax.tree.leaves(outs[-1]))
+    assert int(state.gradient_step) == 0 and int(state.inner_state[0].count) == 0
+    assert int(state.skipped) == 2 and int(state.micro_step) == 0
+
+
+def test_nan_propagates_without_skip():
+    grads = micro_grads()
+    bad = jax.tree.map(lambda g: g.at[(0,) * g.ndim].set(jnp.nan), grads[1])
+    outs, _ = feed(jaxaccum.multi_steps(optax.sgd(1.0), 2), [grads[0], bad])
+    assert bool(jnp.isnan(outs[-1]["layer0"]["w"][0, 0]))
+
+
+def test_integer_gradients_rejected():
+    optimizer = jaxaccum.multi_steps(optax.sgd(1.0), 2)
+    params = {"w": jnp.zeros(3, jnp.int32)}
+    with pytest.raises(TypeError, match=r"leaf \['w'\] has dtype int32"):
+        optimizer.update(params, optimizer.init({"w": jnp.zeros(3)}), params)
+
+
+def test_bfloat16_gradients_float32_accumulator():
+    keys = jax.random.split(jax.random.key(3), 64)
+    grads = [jax.random.normal(k, (256,)).astype(jnp.bfloat16) * 1e-2 + 1.0 for k in keys]
+    reference = np.sum([np.asarray(g, np.float64) for g in grads], axis=0)
+    errors = {}
+    for name, acc in (("float32", jnp.float32), ("bfloat16", None)):
+        _, state = feed(
+            jaxaccum.multi_steps(optax.sgd(1.0), 128, accumulator_dtype=acc),
+            grads,
+            params=jnp.zeros(256, jnp.bfloat16),
+        )
+        errors[name] = max_rel_diff(state.acc_grads, reference)
+    assert errors["float32"] <= 1e-3
+    assert errors["bfloat16"] > 10 * errors["float32"] and errors["bfloat16"] > 1e-3

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 from conftest import (
     assert_trees_close,
     full_batch_trajectory,
+    max_rel_diff,
     mlp_params,
     mse_loss,
     optimizers,
@@ -90,3 +92,42 @@ def test_weighted_train_step_equals_masked_full_batch():
 def test_optimizer_type_checked():
     with pytest.raises(TypeError, match=r"optimizer must be an optax.GradientTransformation"):
         jaxaccum.train_step(mse_loss, "adam", num_microbatches=2)
+
+
+def test_skip_nonfinite_step_uses_remaining_examples():
+    x, y = BATCHES[0]
+    bad = (x.at[20].set(jnp.inf), y)  # micro-batch 1 of 4
+    keep = np.r_[0:16, 32:64]
+    optimizer = optax.adam(1e-2)
+    expected = full_batch_trajectory(mse_loss, optimizer, PARAMS, [(x[keep], y[keep])])
+    step = jaxaccum.train_step(mse_loss, optimizer, num_microbatches=4, skip_nonfinite=True)
+    params = copy(PARAMS)
+    params, state, _, info = step(params, optimizer.init(params), bad)
+    assert int(info["skipped"]) == 1
+    assert_trees_close(params, expected, 1e-5)
+
+
+def test_skip_nonfinite_all_bad_leaves_params_and_state():
+    x, y = BATCHES[0]
+    optimizer = optax.adam(1e-2)
+    step = jaxaccum.train_step(
+        mse_loss, optimizer, num_microbatches=4, skip_nonfinite=True, donate=False
+    )
+    state = optimizer.init(PARAMS)
+    params, new_state, _, info = step(PARAMS, state, (x * jnp.nan, y))
+    assert int(info["skipped"]) == 4
+    assert max_rel_diff(params, PARAMS) == 0.0
+    assert int(new_state[0].count) == 0
+
+
+def test_deterministic_in_process():
+    optimizer = optax.adam(1e-2)
+    results = []
+    for _ in range(2):
+        step = jaxaccum.train_step(mse_loss, optimizer, num_microbatches=8)
+        params = copy(PARAMS)
+        state = optimizer.init(params)
+        for batch in BATCHES:
+            params, state, _, _ = step(params, state, batch)
+        results.append(params)
+    assert max_rel_diff(results[0], results[1]) == 0.0

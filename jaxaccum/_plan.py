@@ -1,0 +1,154 @@
+"""``plan_microbatches``: the smallest k whose compiled step fits a memory budget."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import optax
+
+from jaxaccum import _accumulate, _train_step, _validation
+
+
+class MemoryEstimate(NamedTuple):
+    """XLA's compile-time memory analysis of one compiled step, in bytes.
+
+    Attributes:
+      num_microbatches: the k this program was compiled for.
+      argument_bytes: the inputs (parameters, optimizer state, batch).
+      output_bytes: the outputs.
+      alias_bytes: outputs that reuse donated inputs' buffers (counted once).
+      temp_bytes: XLA's temporary buffers: activations, gradients, accumulators.
+      total_bytes: ``argument + output - alias + temp``, the estimate compared with the budget.
+    """
+
+    num_microbatches: int
+    argument_bytes: int
+    output_bytes: int
+    alias_bytes: int
+    temp_bytes: int
+    total_bytes: int
+
+
+class MicrobatchPlan(NamedTuple):
+    """The result of :func:`plan_microbatches`.
+
+    Attributes:
+      num_microbatches: the chosen k, the smallest candidate whose estimate fits the budget.
+      estimates: the estimate of every candidate compiled, by k, in increasing k.
+    """
+
+    num_microbatches: int
+    estimates: dict[int, MemoryEstimate]
+
+
+def memory_estimate(compiled: Any, num_microbatches: int) -> MemoryEstimate:
+    """Reads a ``jax.stages.Compiled``'s ``memory_analysis()`` into a :class:`MemoryEstimate`."""
+    analysis = compiled.memory_analysis()
+    if analysis is None:
+        raise RuntimeError(
+            "this backend gives no compile-time memory analysis (memory_analysis() returned "
+            "None); plan_microbatches cannot estimate memory here"
+        )
+    fields = [
+        int(getattr(analysis, name))
+        for name in (
+            "argument_size_in_bytes",
+            "output_size_in_bytes",
+            "alias_size_in_bytes",
+            "temp_size_in_bytes",
+        )
+    ]
+    if not any(fields):
+        raise RuntimeError(
+            "this backend reports every compile-time memory field as 0; plan_microbatches "
+            "cannot estimate memory here"
+        )
+    argument, output, alias, temp = fields
+    return MemoryEstimate(
+        num_microbatches, argument, output, alias, temp, argument + output - alias + temp
+    )
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def plan_microbatches(
+    fun: Callable[..., Any],
+    params: optax.Params,
+    batch: Any,
+    *rest: Any,
+    memory_budget: int,
+    optimizer: optax.GradientTransformation | None = None,
+    candidates: Sequence[int] | None = None,
+    **kwargs: Any,
+) -> MicrobatchPlan:
+    """Chooses the smallest number of micro-batches whose compiled step fits ``memory_budget``.
+
+    Each candidate k (by default every divisor of the batch size, smallest first) is lowered
+    and compiled — nothing is run, so there are no out-of-memory trials — and XLA's
+    ``memory_analysis()`` gives its argument, output, alias and temporary bytes. The first k
+    whose ``argument + output - alias + temp`` fits is returned.
+
+    Limits of the estimate: it is XLA's buffer assignment for one program. It does not count
+    the runtime's own overhead, buffers held outside the step (other arrays you keep alive),
+    or fragmentation; on the CPU, temporaries inside library calls (e.g. oneDNN matmul scratch)
+    are not in ``temp``. Some backends report no analysis or all zeros: then a ``RuntimeError``
+    says so rather than guessing. Leave headroom in the budget.
+
+    Args:
+      fun: the loss, as for :func:`jaxaccum.value_and_grad` (``fun(params, batch, *rest)``).
+      params: the parameters (arrays or ``jax.ShapeDtypeStruct``).
+      batch: the full batch (arrays or ``jax.ShapeDtypeStruct``).
+      *rest: further arguments of ``fun``.
+      memory_budget: bytes available to the step, an int >= 1.
+      optimizer: when given, plan the whole :func:`jaxaccum.train_step` (gradient, optimizer
+        update, donated params and state) instead of the gradient alone.
+      candidates: the k to try, instead of all divisors of the batch size.
+      **kwargs: passed on to :func:`jaxaccum.value_and_grad` (``has_aux``, ``weighted``,
+        ``remat``, ``accumulator_dtype``).
+
+    Returns:
+      A :class:`MicrobatchPlan`: the chosen k and the estimate per candidate compiled.
+
+    Raises:
+      ValueError: if ``memory_budget`` is not positive, a candidate does not divide the batch
+        size, or even the largest candidate does not fit (the message gives its estimate).
+      RuntimeError: if the backend gives no usable memory analysis.
+
+    Example:
+      >>> import jax.numpy as jnp, jaxaccum
+      >>> def loss(w, x):
+      ...     return jnp.mean(jnp.tanh(x @ w) ** 2)
+      >>> w, x = jnp.ones((64, 64)), jnp.ones((256, 64))
+      >>> big = jaxaccum.plan_microbatches(loss, w, x, memory_budget=2**30)
+      >>> big.num_microbatches
+      1
+    """
+    budget = _validation.positive_int(memory_budget, "memory_budget")
+    batch_size = _validation.leading_batch_size((params, batch), (1,))
+    ks = sorted(set(candidates)) if candidates is not None else _divisors(batch_size)
+    for k in ks:
+        _validation.resolve_num_microbatches(
+            batch_size, _validation.positive_int(k, "candidates"), None
+        )
+    estimates: dict[int, MemoryEstimate] = {}
+    for k in ks:
+        if optimizer is None:
+            step = jax.jit(_accumulate.value_and_grad(fun, num_microbatches=k, **kwargs))
+            lowered = step.lower(params, batch, *rest)
+        else:
+            train = _train_step.train_step(fun, optimizer, num_microbatches=k, **kwargs)
+            opt_state = jax.eval_shape(optimizer.init, params)
+            lowered = train.lower(params, opt_state, batch, *rest)  # type: ignore[attr-defined]
+        estimates[k] = memory_estimate(lowered.compile(), k)
+        if estimates[k].total_bytes <= budget:
+            return MicrobatchPlan(k, estimates)
+    smallest = min(estimates.values(), key=lambda e: e.total_bytes)
+    raise ValueError(
+        f"memory_budget={budget} bytes is too small: the smallest estimate is "
+        f"{smallest.total_bytes} bytes (k={smallest.num_microbatches}; temp "
+        f"{smallest.temp_bytes}, arguments {smallest.argument_bytes}); candidates tried: {ks}"
+    )
