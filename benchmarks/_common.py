@@ -80,11 +80,14 @@ def split(batch: Any, k: int) -> list[Any]:
 class Impl:
     """One way to make an optimizer step over a batch split into k micro-batches.
 
-    ``step(params, state, batch)`` runs it (``batch`` is already split for per-call ways);
-    ``compiled()`` is the program XLA runs (the per-call program for per-call ways).
+    ``step(params, state, batch) -> (params, state, ...)`` runs it (``batch`` is already split
+    for per-call ways, which donate ``params`` and ``state``: thread the outputs through);
+    ``lower(...)`` lowers the program XLA runs (the per-call program for per-call ways).
     """
 
     per_call = False
+    name = ""
+    fn: Any = None
 
     def __init__(self, k: int) -> None:
         self.k = k
@@ -96,6 +99,13 @@ class Impl:
     def prepare(self, batch: Any) -> Any:
         return split(batch, self.k) if self.per_call else batch
 
+    # single-program ways: self.fn is the jitted step
+    def step(self, params: Any, state: Any, batch: Any) -> Any:
+        return self.fn(params, state, batch)
+
+    def lower(self, params: Any, state: Any, batch: Any) -> Any:
+        return self.fn.lower(params, state, batch)
+
 
 class Full(Impl):
     name = "full batch"
@@ -104,12 +114,6 @@ class Full(Impl):
         super().__init__(k)
         update = _update(self.optimizer)
         self.fn = jax.jit(lambda p, s, b: update(p, s, jax.grad(loss)(p, b)))
-
-    def step(self, params: Any, state: Any, batch: Any) -> Any:
-        return self.fn(params, state, batch)
-
-    def lower(self, params: Any, state: Any, batch: Any) -> Any:
-        return self.fn.lower(params, state, batch)
 
 
 class TrainStep(Impl):
@@ -120,12 +124,6 @@ class TrainStep(Impl):
         self.fn = jaxaccum.train_step(
             loss, self.optimizer, num_microbatches=k, donate=False, **kwargs
         )
-
-    def step(self, params: Any, state: Any, batch: Any) -> Any:
-        return self.fn(params, state, batch)
-
-    def lower(self, params: Any, state: Any, batch: Any) -> Any:
-        return self.fn.lower(params, state, batch)
 
 
 class Microbatching(Impl):
@@ -148,15 +146,12 @@ class Microbatching(Impl):
 
         self.fn = jax.jit(step)
 
-    def step(self, params: Any, state: Any, batch: Any) -> Any:
-        return self.fn(params, state, batch)
-
-    def lower(self, params: Any, state: Any, batch: Any) -> Any:
-        return self.fn.lower(params, state, batch)
-
 
 class _PerCall(Impl):
-    """Feeds one micro-batch per jitted call to an accumulating optax transform."""
+    """Feeds one micro-batch per jitted call to an accumulating optax transform.
+
+    Params and state are donated to each call, as a training loop would do.
+    """
 
     per_call = True
 
@@ -164,7 +159,7 @@ class _PerCall(Impl):
         super().__init__(k)
         self.optimizer = optimizer
         update = _update(optimizer)
-        self.fn = jax.jit(lambda p, s, b: update(p, s, jax.grad(loss)(p, b)))
+        self.fn = jax.jit(lambda p, s, b: update(p, s, jax.grad(loss)(p, b)), donate_argnums=(0, 1))
 
     def step(self, params: Any, state: Any, micro_batches: Any) -> Any:
         for micro in micro_batches:
@@ -239,3 +234,32 @@ def _default(value: Any) -> Any:
     if isinstance(value, (np.floating, np.integer)):
         return value.item()
     return str(value)
+
+
+def plot_by_k(
+    entries: dict[str, Any],
+    series: Callable[[dict[str, Any], list[int]], list[tuple[str, list[int], list[float], str]]],
+    ylabel: str,
+    path: pathlib.Path,
+) -> None:
+    """One log-log panel per model: ``series(entry, ks)`` gives (label, ks, values, style)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(entries), figsize=(6 * len(entries), 4), squeeze=False)
+    for ax, entry in zip(axes[0], entries.values(), strict=True):
+        ks = sorted(int(k) for k in entry["by_k"])
+        for label, xs, ys, style in series(entry, ks):
+            ax.plot(xs, ys, style, marker="o", label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("k (micro-batches per optimizer step)")
+        ax.set_ylabel(ylabel)
+        ax.set_title(entry["name"])
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0][-1].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -15,6 +15,8 @@ on, and with the dots_saveable policy. Writes benchmarks/results/memory.json and
 from __future__ import annotations
 
 import argparse
+import ctypes
+import gc
 import json
 import os
 import statistics
@@ -25,7 +27,7 @@ import time
 from typing import Any
 
 import jax
-from _common import IMPLS, KS, MODELS, RESULTS, Full, TrainStep, machine, save
+from _common import IMPLS, KS, MODELS, RESULTS, Full, TrainStep, machine, plot_by_k, save
 
 MEASURED = (
     "full batch",
@@ -53,17 +55,32 @@ def rss_bytes() -> int:
 
 
 def child(impl_name: str, k: int, model_key: str) -> dict[str, Any]:
-    """Runs one step of one implementation in this (fresh) process and reports its peak."""
+    """Runs one step of one implementation in this (fresh) process and reports its peak.
+
+    The program is compiled ahead of time and the compiler's memory handed back to the system
+    (malloc_trim) before the baseline is read, so the growth is the step's own buffers.
+    """
     model = MODELS[model_key]
     impl = IMPLS[impl_name](k)
     params, batch = model.params(), model.data()
     state, data = impl.init(params), impl.prepare(batch)
-    jax.block_until_ready(impl.step(params, state, data))  # compile and warm up
+    compiled = impl.lower(params, state, data).compile()
+
+    def run() -> Any:
+        if not impl.per_call:
+            return compiled(params, state, data)
+        p, s = params, state
+        for micro in data:
+            p, s = compiled(p, s, micro)
+        return p
+
     device = jax.devices()[0]
     if device.platform != "cpu":
-        jax.block_until_ready(impl.step(params, state, data))
+        jax.block_until_ready(run())
         stats = device.memory_stats() or {}
         return {"peak_bytes": stats.get("peak_bytes_in_use"), "how": "device peak_bytes_in_use"}
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
     base, peak, done = rss_bytes(), [0], threading.Event()
 
     def sample() -> None:
@@ -73,7 +90,7 @@ def child(impl_name: str, k: int, model_key: str) -> dict[str, Any]:
 
     sampler = threading.Thread(target=sample)
     sampler.start()
-    jax.block_until_ready(impl.step(params, state, data))
+    jax.block_until_ready(run())
     done.set()
     sampler.join()
     return {"peak_bytes": max(peak[0] - base, 0), "how": "CPU RSS growth during one step"}
@@ -174,50 +191,21 @@ def main() -> None:
 
 
 def plot(results: dict[str, Any]) -> None:
-    import matplotlib
+    mib = 2**20
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    entries = results["models"]
-    fig, axes = plt.subplots(1, len(entries), figsize=(6 * len(entries), 4), squeeze=False)
-    for ax, (_, entry) in zip(axes[0], entries.items(), strict=True):
-        ks = sorted(entry["by_k"])
-        for name in IMPLS:
-            ax.plot(
-                ks,
-                [entry["by_k"][k][name]["temp"] / 2**20 for k in ks],
-                marker="o",
-                label=f"{name} (temp)",
-            )
-        ax.plot(
-            ks,
-            [entry["by_k"][k]["target_temp"] / 2**20 for k in ks],
-            "k--",
-            label="target 1.1 P + 1.2 A / k",
+    def series(entry: dict[str, Any], ks: list[int]) -> list[Any]:
+        rows = entry["by_k"]
+        out = [(f"{n} (temp)", ks, [rows[k][n]["temp"] / mib for k in ks], "-") for n in IMPLS]
+        out.append(
+            ("target 1.1 P + 1.2 A / k", ks, [rows[k]["target_temp"] / mib for k in ks], "k--")
         )
-        measured = [k for k in ks if "measured_peak" in entry["by_k"][k]["jaxaccum.train_step"]]
+        measured = [k for k in ks if "measured_peak" in rows[k]["jaxaccum.train_step"]]
         if measured:
-            ax.plot(
-                measured,
-                [
-                    entry["by_k"][k]["jaxaccum.train_step"]["measured_peak"] / 2**20
-                    for k in measured
-                ],
-                "r:",
-                marker="x",
-                label="jaxaccum.train_step measured peak",
-            )
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("k (micro-batches per optimizer step)")
-        ax.set_ylabel("MiB")
-        ax.set_title(entry["name"])
-        ax.grid(True, which="both", alpha=0.3)
-    axes[0][-1].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(RESULTS / "memory.png", dpi=110)
-    plt.close(fig)
+            peaks = [rows[k]["jaxaccum.train_step"]["measured_peak"] / mib for k in measured]
+            out.append(("jaxaccum.train_step measured peak", measured, peaks, "r:"))
+        return out
+
+    plot_by_k(results["models"], series, "MiB", RESULTS / "memory.png")
 
 
 if __name__ == "__main__":

@@ -16,20 +16,24 @@ import time
 from typing import Any
 
 import jax
-from _common import IMPLS, KS, MODELS, RESULTS, Full, machine, save
+import jax.numpy as jnp
+from _common import IMPLS, KS, MODELS, RESULTS, Full, machine, plot_by_k, save
 
 
 def time_k(model: Any, k: int, rounds: int, warmup: int) -> dict[str, float]:
     params, batch = model.params(), model.data()
     impls = [cls(k) for cls in IMPLS.values()]
-    inputs = [(impl, impl.init(params), impl.prepare(batch)) for impl in impls]
+    # each implementation trains its own copy, outputs threaded through (some donate)
+    carry = [[jax.tree.map(jnp.copy, params), impl.init(params)] for impl in impls]
+    data = [impl.prepare(batch) for impl in impls]
     times: dict[str, list[float]] = {impl.name: [] for impl in impls}
     for r in range(warmup + rounds):
-        for impl, state, data in inputs:
+        for impl, c, d in zip(impls, carry, data, strict=True):
             start = time.perf_counter()
-            jax.block_until_ready(impl.step(params, state, data))
+            out = jax.block_until_ready(impl.step(c[0], c[1], d))
             if r >= warmup:
                 times[impl.name].append(time.perf_counter() - start)
+            c[0], c[1] = out[0], out[1]
     return {name: statistics.median(t) for name, t in times.items()}
 
 
@@ -63,27 +67,10 @@ def main() -> None:
 
 
 def plot(results: dict[str, Any]) -> None:
-    import matplotlib
+    def series(entry: dict[str, Any], ks: list[int]) -> list[Any]:
+        return [(name, ks, [entry["by_k"][k][name]["ms"] for k in ks], "-") for name in IMPLS]
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    entries = results["models"]
-    fig, axes = plt.subplots(1, len(entries), figsize=(6 * len(entries), 4), squeeze=False)
-    for ax, (_, entry) in zip(axes[0], entries.items(), strict=True):
-        ks = sorted(entry["by_k"])
-        for name in IMPLS:
-            ax.plot(ks, [entry["by_k"][k][name]["ms"] for k in ks], marker="o", label=name)
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("k (micro-batches per optimizer step)")
-        ax.set_ylabel("median ms per optimizer step")
-        ax.set_title(entry["name"])
-        ax.grid(True, which="both", alpha=0.3)
-    axes[0][0].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(RESULTS / "speed.png", dpi=110)
-    plt.close(fig)
+    plot_by_k(results["models"], series, "median ms per optimizer step", RESULTS / "speed.png")
 
 
 if __name__ == "__main__":

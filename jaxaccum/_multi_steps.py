@@ -121,19 +121,16 @@ def multi_steps(
         **extra_args: Any,
     ) -> tuple[optax.Updates, MultiStepsState]:
         _check_floating(updates)
+        skipped = state.skipped
         if weight is None and not skip_nonfinite:
-            acc_grads = jax.tree.map(
-                lambda acc, g: (acc + g).astype(acc.dtype), state.acc_grads, updates
-            )
+            w = None
             acc_weight = state.acc_weight + 1
-            skipped = state.skipped
         else:
             if weight is None:
                 w = jnp.ones((), jnp.float32)
             else:
                 _validation.scalar(jnp.asarray(weight), "weight", floating=False)
                 w = jnp.asarray(weight, jnp.float32)
-            skipped = state.skipped
             if skip_nonfinite:
                 finite = jnp.all(
                     jnp.stack(
@@ -143,35 +140,45 @@ def multi_steps(
                 )
                 w = jnp.where(finite, w, 0.0)
                 skipped = skipped + jnp.logical_not(finite).astype(jnp.int32)
-            valid = w > 0
-            acc_grads = jax.tree.map(
-                lambda acc, g: acc + jnp.where(valid, w.astype(acc.dtype) * g, 0),
-                state.acc_grads,
-                updates,
-            )
             acc_weight = state.acc_weight + w
+
+        def add(acc: jax.Array, g: jax.Array) -> jax.Array:
+            if w is None:
+                return (acc + g).astype(acc.dtype)
+            return acc + jnp.where(w > 0, w.astype(acc.dtype) * g, 0)  # 0-weight: even NaN
+
         k = jnp.maximum(jnp.asarray(schedule(state.gradient_step), jnp.int32), 1)
         emit = state.micro_step + 1 >= k
 
-        # Only the inner update sits in the cond, so only it is skipped on accumulating calls;
-        # the accumulator bookkeeping is elementwise and fuses outside it.
-        def emit_branch(_: None) -> tuple[optax.Updates, optax.OptState]:
-            mean = _accumulate.cast_like(_accumulate.safe_divide(acc_grads, acc_weight), updates)
-            return inner_ex.update(mean, state.inner_state, params, **extra_args)
+        # Only the inner update sits in the cond, so only it is skipped on accumulating calls.
+        # The window's sum is formed again inside the emitting branch, so that outside it the
+        # add and the reset fuse into one pass over the accumulator.
+        def emit_branch(operands: Any) -> tuple[optax.Updates, optax.OptState]:
+            acc, grads, inner_state = operands
+            total = jax.tree.map(add, acc, grads)
+            mean = _accumulate.cast_like(_accumulate.safe_divide(total, acc_weight), updates)
+            return inner_ex.update(mean, inner_state, params, **extra_args)
 
-        def accumulate_branch(_: None) -> tuple[optax.Updates, optax.OptState]:
+        def accumulate_branch(operands: Any) -> tuple[optax.Updates, optax.OptState]:
+            inner_state = operands[2]
             shapes, _ = jax.eval_shape(
-                lambda: inner_ex.update(updates, state.inner_state, params, **extra_args)
+                lambda: inner_ex.update(updates, inner_state, params, **extra_args)
             )
-            return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes), state.inner_state
+            return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes), inner_state
 
         # With skip_nonfinite, a window without one finite micro-batch makes no step.
         step = jnp.logical_and(emit, acc_weight > 0) if skip_nonfinite else emit
-        new_updates, inner_state = jax.lax.cond(step, emit_branch, accumulate_branch, None)
+        new_updates, inner_state = jax.lax.cond(
+            step, emit_branch, accumulate_branch, (state.acc_grads, updates, state.inner_state)
+        )
         return new_updates, MultiStepsState(
             micro_step=jnp.where(emit, 0, state.micro_step + 1).astype(jnp.int32),
             gradient_step=(state.gradient_step + step).astype(jnp.int32),
-            acc_grads=jax.tree.map(lambda a: jnp.where(emit, jnp.zeros_like(a), a), acc_grads),
+            acc_grads=jax.tree.map(
+                lambda acc, g: jnp.where(emit, jnp.zeros_like(acc), add(acc, g)),
+                state.acc_grads,
+                updates,
+            ),
             acc_weight=jnp.where(emit, 0.0, acc_weight).astype(jnp.float32),
             inner_state=inner_state,
             skipped=skipped,

@@ -387,3 +387,14 @@ def test_bfloat16_float32_accumulator_beats_bfloat16_accumulator():
     # gradients (XLA fuses bf16 math differently in and out of the loop): under one bf16 ulp
     assert errors["float32"] <= 2**-8
     assert errors["bfloat16"] > 2.5 * errors["float32"]  # measured: 1.3e-2 vs 3.3e-3
+
+
+def test_empty_batch():
+    x, y = BATCH
+    with pytest.raises(ValueError, match=r"the batch is empty \(leading batch size 0\)"):
+        jaxaccum.value_and_grad(mse_loss, num_microbatches=1)(PARAMS, (x[:0], y[:0]))
+
+
+def test_batch_without_leaves():
+    with pytest.raises(ValueError, match=r"batch_argnums=\(1,\): the batch arguments hold no"):
+        jaxaccum.value_and_grad(lambda p, b: jnp.sum(p), num_microbatches=1)(jnp.ones(2), ())
