@@ -223,9 +223,15 @@ def machine() -> dict[str, Any]:
     }
 
 
-def save(name: str, payload: dict[str, Any]) -> pathlib.Path:
+def result_path(name: str, ext: str) -> pathlib.Path:
+    """``results/NAME.EXT`` on CPU, ``results/NAME-BACKEND.EXT`` elsewhere (e.g. ``-gpu``)."""
     RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"{name}.json"
+    backend = jax.default_backend()
+    return RESULTS / (f"{name}.{ext}" if backend == "cpu" else f"{name}-{backend}.{ext}")
+
+
+def save(name: str, payload: dict[str, Any]) -> pathlib.Path:
+    path = result_path(name, "json")
     path.write_text(json.dumps(payload, indent=2, default=_default))
     return path
 

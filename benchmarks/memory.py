@@ -27,7 +27,17 @@ import time
 from typing import Any
 
 import jax
-from _common import IMPLS, KS, MODELS, RESULTS, Full, TrainStep, machine, plot_by_k, save
+from _common import (
+    IMPLS,
+    KS,
+    MODELS,
+    Full,
+    TrainStep,
+    machine,
+    plot_by_k,
+    result_path,
+    save,
+)
 
 MEASURED = (
     "full batch",
@@ -187,7 +197,7 @@ def main() -> None:
     }
     path = save("memory", results)
     plot(results)
-    print(f"wrote {path} and {RESULTS / 'memory.png'}")
+    print(f"wrote {path} and {result_path('memory', 'png')}")
 
 
 def plot(results: dict[str, Any]) -> None:
@@ -205,7 +215,7 @@ def plot(results: dict[str, Any]) -> None:
             out.append(("jaxaccum.train_step measured peak", measured, peaks, "r:"))
         return out
 
-    plot_by_k(results["models"], series, "MiB", RESULTS / "memory.png")
+    plot_by_k(results["models"], series, "MiB", result_path("memory", "png"))
 
 
 if __name__ == "__main__":

@@ -20,8 +20,8 @@ IMPLS = (
 )
 
 
-def load(name: str) -> dict[str, Any] | None:
-    path = RESULTS / f"{name}.json"
+def load(name: str, suffix: str = "") -> dict[str, Any] | None:
+    path = RESULTS / f"{name}{suffix}.json"
     return json.loads(path.read_text()) if path.exists() else None
 
 

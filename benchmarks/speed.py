@@ -17,7 +17,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from _common import IMPLS, KS, MODELS, RESULTS, Full, machine, plot_by_k, save
+from _common import IMPLS, KS, MODELS, Full, machine, plot_by_k, result_path, save
 
 
 def time_k(model: Any, k: int, rounds: int, warmup: int) -> dict[str, float]:
@@ -63,14 +63,16 @@ def main() -> None:
         results["models"][key] = {"name": model.name, "rounds": rounds, "by_k": rows}
     path = save("speed", results)
     plot(results)
-    print(f"wrote {path} and {RESULTS / 'speed.png'}")
+    print(f"wrote {path} and {result_path('speed', 'png')}")
 
 
 def plot(results: dict[str, Any]) -> None:
     def series(entry: dict[str, Any], ks: list[int]) -> list[Any]:
         return [(name, ks, [entry["by_k"][k][name]["ms"] for k in ks], "-") for name in IMPLS]
 
-    plot_by_k(results["models"], series, "median ms per optimizer step", RESULTS / "speed.png")
+    plot_by_k(
+        results["models"], series, "median ms per optimizer step", result_path("speed", "png")
+    )
 
 
 if __name__ == "__main__":

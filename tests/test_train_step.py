@@ -131,3 +131,27 @@ def test_deterministic_in_process():
             params, state, _, _ = step(params, state, batch)
         results.append(params)
     assert max_rel_diff(results[0], results[1]) == 0.0
+
+
+def test_flax_linen_model():
+    import flax.linen as nn
+
+    class MLP(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(4)(nn.tanh(nn.Dense(16)(x)))
+
+    model = MLP()
+    params = model.init(jax.random.key(0), jnp.ones((1, 8)))
+
+    def loss(p, batch):
+        x, y = batch
+        return jnp.mean((model.apply(p, x) - y) ** 2)
+
+    optimizer = optax.adam(1e-2)
+    expected = full_batch_trajectory(loss, optimizer, params, BATCHES[:3])
+    step = jaxaccum.train_step(loss, optimizer, num_microbatches=8, donate=False)
+    state = optimizer.init(params)
+    for batch in BATCHES[:3]:
+        params, state, _, _ = step(params, state, batch)
+    assert_trees_close(params, expected, 1e-5)
