@@ -262,3 +262,15 @@ def test_bfloat16_gradients_float32_accumulator():
         errors[name] = max_rel_diff(state.acc_grads, reference)
     assert errors["float32"] <= 1e-3
     assert errors["bfloat16"] > 10 * errors["float32"] and errors["bfloat16"] > 1e-3
+    outs, _ = feed(
+        jaxaccum.multi_steps(optax.sgd(1.0), 2), grads[:2], params=jnp.zeros(256, jnp.bfloat16)
+    )
+    assert outs[-1].dtype == jnp.bfloat16  # the emitted update is cast back
+
+
+def test_none_leaves():
+    params = {"w": PARAMS, "frozen": None}
+    grads = {"w": micro_grads()[0], "frozen": None}
+    outs, state = feed(jaxaccum.multi_steps(optax.adam(1e-2), 2), [grads, grads], params=params)
+    assert outs[-1]["frozen"] is None and state.acc_grads["frozen"] is None
+    assert float(optax.tree.norm(outs[-1]["w"])) > 0
