@@ -93,8 +93,8 @@ def optimizers():
     }
 
 
-def full_batch_trajectory(loss_fn, optimizer, params, batches):
-    """The reference: plain jax.value_and_grad on each full batch and one update."""
+def grad_and_update(loss_fn, optimizer):
+    """A jitted ``(params, state, batch) -> (params, state)``: plain gradient, one update."""
 
     @jax.jit
     def step(params, state, batch):
@@ -102,6 +102,12 @@ def full_batch_trajectory(loss_fn, optimizer, params, batches):
         updates, state = optimizer.update(grads, state, params)
         return optax.apply_updates(params, updates), state
 
+    return step
+
+
+def full_batch_trajectory(loss_fn, optimizer, params, batches):
+    """The reference: plain jax.grad on each full batch and one update."""
+    step = grad_and_update(loss_fn, optimizer)
     state = optimizer.init(params)
     for batch in batches:
         params, state = step(params, state, batch)

@@ -10,6 +10,7 @@ import pytest
 from conftest import (
     assert_trees_close,
     full_batch_trajectory,
+    grad_and_update,
     max_rel_diff,
     mlp_params,
     mse_loss,
@@ -30,14 +31,8 @@ def microbatches(batch, k):
 
 
 def run_micro(optimizer, k, params=PARAMS, batches=BATCHES, loss_fn=mse_loss):
-    """Feeds one micro-batch per jitted call; returns final params and has_updated per call."""
-
-    @jax.jit
-    def call(params, state, micro):
-        grads = jax.grad(loss_fn)(params, micro)
-        updates, state = optimizer.update(grads, state, params)
-        return optax.apply_updates(params, updates), state
-
+    """Feeds one micro-batch per jitted call; returns the final params and state."""
+    call = grad_and_update(loss_fn, optimizer)
     state = optimizer.init(params)
     for batch in batches:
         for micro in microbatches(batch, k):
