@@ -150,17 +150,16 @@ def multi_steps(
         k = jnp.maximum(jnp.asarray(schedule(state.gradient_step), jnp.int32), 1)
         emit = state.micro_step + 1 >= k
 
+        acc_grads = jax.tree.map(add, state.acc_grads, updates)
+
         # Only the inner update sits in the cond, so only it is skipped on accumulating calls.
-        # The window's sum is formed again inside the emitting branch, so that outside it the
-        # add and the reset fuse into one pass over the accumulator.
         def emit_branch(operands: Any) -> tuple[optax.Updates, optax.OptState]:
-            acc, grads, inner_state = operands
-            total = jax.tree.map(add, acc, grads)
+            total, inner_state = operands
             mean = _accumulate.cast_like(_accumulate.safe_divide(total, acc_weight), updates)
             return inner_ex.update(mean, inner_state, params, **extra_args)
 
         def accumulate_branch(operands: Any) -> tuple[optax.Updates, optax.OptState]:
-            inner_state = operands[2]
+            inner_state = operands[1]
             shapes, _ = jax.eval_shape(
                 lambda: inner_ex.update(updates, inner_state, params, **extra_args)
             )
@@ -169,16 +168,12 @@ def multi_steps(
         # With skip_nonfinite, a window without one finite micro-batch makes no step.
         step = jnp.logical_and(emit, acc_weight > 0) if skip_nonfinite else emit
         new_updates, inner_state = jax.lax.cond(
-            step, emit_branch, accumulate_branch, (state.acc_grads, updates, state.inner_state)
+            step, emit_branch, accumulate_branch, (acc_grads, state.inner_state)
         )
         return new_updates, MultiStepsState(
             micro_step=jnp.where(emit, 0, state.micro_step + 1).astype(jnp.int32),
             gradient_step=(state.gradient_step + step).astype(jnp.int32),
-            acc_grads=jax.tree.map(
-                lambda acc, g: jnp.where(emit, jnp.zeros_like(acc), add(acc, g)),
-                state.acc_grads,
-                updates,
-            ),
+            acc_grads=jax.tree.map(lambda a: jnp.where(emit, jnp.zeros_like(a), a), acc_grads),
             acc_weight=jnp.where(emit, 0.0, acc_weight).astype(jnp.float32),
             inner_state=inner_state,
             skipped=skipped,
