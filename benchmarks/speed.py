@@ -41,13 +41,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--ks", nargs="+", type=int, default=list(KS))
-    parser.add_argument("--rounds", type=int, default=None, help="default: gist 40, compute 5")
+    parser.add_argument("--rounds", type=int, default=None, help="default: gist 40, compute 9")
     args = parser.parse_args()
 
     results: dict[str, Any] = {"machine": machine(), "models": {}}
     for key in args.models:
         model = MODELS[key]
-        rounds = args.rounds or (40 if key == "gist" else 5)
+        rounds = args.rounds or (40 if key == "gist" else 9)
         rows = {}
         for k in args.ks:
             med = time_k(model, k, rounds, warmup=2)
