@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import gzip
 import os
-import pathlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -185,9 +184,3 @@ class ExampleStream:
         """The next ``n`` ``(images, labels)``."""
         idx = self.next_indices(n)
         return self.images[idx], self.labels[idx]
-
-
-def default_manual_dir() -> pathlib.Path | None:
-    """``$JAXACCUM_MNIST_DIR`` as a path, if set."""
-    value = os.environ.get(MANUAL_DIR_ENV)
-    return pathlib.Path(value) if value else None
