@@ -97,20 +97,15 @@ def _mesh_axes(
     return axes
 
 
-def _all_finite(tree: Any) -> jax.Array:
+def all_finite(tree: Any) -> jax.Array:
+    """A boolean scalar: whether every element of every leaf is finite."""
     leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]
     return jnp.all(jnp.stack(leaves)) if leaves else jnp.asarray(True)
 
 
-def _check_differentiable(tree: Any) -> None:
-    """Gradients need floating leaves: say which leaf is not, at trace time."""
-    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        dtype = jnp.result_type(leaf)
-        if not jnp.issubdtype(dtype, jnp.inexact):
-            raise TypeError(
-                f"argnums: the differentiated argument's leaf {jax.tree_util.keystr(path) or '.'} "
-                f"has dtype {dtype}; gradients need floating (or complex) leaves"
-            )
+def weighted_add(acc: jax.Array, g: jax.Array, weight: jax.Array) -> jax.Array:
+    """``acc + weight * g``, adding nothing (not even a NaN from 0/0) where ``weight`` is 0."""
+    return acc + jnp.where(weight > 0, weight.astype(acc.dtype) * g, 0)
 
 
 def _split_output(out: Any, *, has_aux: bool, weighted: bool) -> tuple[Any, Any, Any]:
@@ -262,7 +257,7 @@ def value_and_grad(
         loss = loss.astype(sums.loss.dtype)
         skipped = sums.skipped
         if skip_nonfinite:
-            finite = _all_finite((loss, grads))
+            finite = all_finite((loss, grads))
             skipped = skipped + jnp.logical_not(finite).astype(jnp.int32)
             weight = jnp.where(finite, 1 if weight is None else weight, 0)
         if weight is None:  # unweighted: a plain sum, divided by k once at the end
@@ -273,14 +268,9 @@ def value_and_grad(
                 skipped=skipped,
             ), aux
         weight = jax.lax.stop_gradient(weight).astype(sums.weight.dtype)
-        valid = weight > 0  # a 0-weight micro-batch adds nothing, even NaN from 0/0
         return Sums(
-            loss=sums.loss + jnp.where(valid, weight * loss, 0),
-            grads=jax.tree.map(
-                lambda acc, g: acc + jnp.where(valid, weight.astype(acc.dtype) * g, 0),
-                sums.grads,
-                grads,
-            ),
+            loss=weighted_add(sums.loss, loss, weight),
+            grads=jax.tree.map(lambda acc, g: weighted_add(acc, g, weight), sums.grads, grads),
             weight=sums.weight + weight,
             skipped=skipped,
         ), aux
@@ -294,7 +284,9 @@ def value_and_grad(
                 f"positional arguments; got {len(args)}"
             )
         batch_size = _validation.leading_batch_size(args, split_argnums)
-        _check_differentiable(_differentiated(args))
+        _validation.floating_leaves(
+            _differentiated(args), "argnums", "gradients need floating (or complex) leaves"
+        )
         if mesh is None:
             k = _validation.resolve_num_microbatches(batch_size, num_microbatches, microbatch_size)
             loss, grads, aux, skipped = reduce_and_finalize(args, k, batch_size // k, None)

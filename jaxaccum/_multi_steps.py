@@ -120,7 +120,9 @@ def multi_steps(
         weight: ArrayLike | None = None,
         **extra_args: Any,
     ) -> tuple[optax.Updates, MultiStepsState]:
-        _check_floating(updates)
+        _validation.floating_leaves(
+            updates, "updates", "multi_steps averages gradients and needs floating leaves"
+        )
         skipped = state.skipped
         if weight is None and not skip_nonfinite:
             w = None
@@ -132,12 +134,7 @@ def multi_steps(
                 _validation.scalar(jnp.asarray(weight), "weight", floating=False)
                 w = jnp.asarray(weight, jnp.float32)
             if skip_nonfinite:
-                finite = jnp.all(
-                    jnp.stack(
-                        [jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(updates)]
-                        or [jnp.asarray(True)]
-                    )
-                )
+                finite = _accumulate.all_finite(updates)
                 w = jnp.where(finite, w, 0.0)
                 skipped = skipped + jnp.logical_not(finite).astype(jnp.int32)
             acc_weight = state.acc_weight + w
@@ -145,7 +142,7 @@ def multi_steps(
         def add(acc: jax.Array, g: jax.Array) -> jax.Array:
             if w is None:
                 return (acc + g).astype(acc.dtype)
-            return acc + jnp.where(w > 0, w.astype(acc.dtype) * g, 0)  # 0-weight: even NaN
+            return _accumulate.weighted_add(acc, g, w)
 
         k = jnp.maximum(jnp.asarray(schedule(state.gradient_step), jnp.int32), 1)
         emit = state.micro_step + 1 >= k
@@ -180,15 +177,6 @@ def multi_steps(
         )
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
-
-
-def _check_floating(updates: optax.Updates) -> None:
-    for path, leaf in jax.tree_util.tree_flatten_with_path(updates)[0]:
-        if not jnp.issubdtype(jnp.result_type(leaf), jnp.inexact):
-            raise TypeError(
-                f"updates: leaf {jax.tree_util.keystr(path) or '.'} has dtype "
-                f"{jnp.result_type(leaf)}; multi_steps averages gradients and needs floating leaves"
-            )
 
 
 def has_updated(state: MultiStepsState) -> jax.Array:

@@ -134,6 +134,7 @@ def plan_microbatches(
         _validation.resolve_num_microbatches(
             batch_size, _validation.positive_int(k, "candidates"), None
         )
+    opt_state = None if optimizer is None else jax.eval_shape(optimizer.init, params)
     estimates: dict[int, MemoryEstimate] = {}
     for k in ks:
         if optimizer is None:
@@ -141,7 +142,6 @@ def plan_microbatches(
             lowered = step.lower(params, batch, *rest)
         else:
             train = _train_step.train_step(fun, optimizer, num_microbatches=k, **kwargs)
-            opt_state = jax.eval_shape(optimizer.init, params)
             lowered = train.lower(params, opt_state, batch, *rest)  # type: ignore[attr-defined]
         estimates[k] = memory_estimate(lowered.compile(), k)
         if estimates[k].total_bytes <= budget:

@@ -118,3 +118,13 @@ def scalar(value: Any, what: str, *, floating: bool) -> None:
     if not any(jnp.issubdtype(dtype, kind) for kind in kinds):
         expected = "a floating dtype" if floating else "a real dtype"
         raise TypeError(f"{what} must have {expected}; got dtype {dtype}")
+
+
+def floating_leaves(tree: Any, what: str, why: str) -> None:
+    """Checks that every leaf of ``tree`` has a floating (or complex) dtype, naming the leaf."""
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        dtype = jnp.result_type(leaf)
+        if not jnp.issubdtype(dtype, jnp.inexact):
+            raise TypeError(
+                f"{what}: leaf {jax.tree_util.keystr(path) or '.'} has dtype {dtype}; {why}"
+            )
