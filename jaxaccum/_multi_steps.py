@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import optax
 from jax.typing import ArrayLike, DTypeLike
 
-from jaxaccum import _accumulate, _validation
+from jaxaccum import _reductions, _validation
 
 
 class MultiStepsState(NamedTuple):
@@ -106,7 +106,7 @@ def multi_steps(
         return MultiStepsState(
             micro_step=jnp.zeros((), jnp.int32),
             gradient_step=jnp.zeros((), jnp.int32),
-            acc_grads=_accumulate.zeros_accumulator(params, accumulator_dtype),
+            acc_grads=_reductions.zeros_accumulator(params, accumulator_dtype),
             acc_weight=jnp.zeros((), jnp.float32),
             inner_state=inner_ex.init(params),
             skipped=jnp.zeros((), jnp.int32),
@@ -134,7 +134,7 @@ def multi_steps(
                 _validation.scalar(jnp.asarray(weight), "weight", floating=False)
                 w = jnp.asarray(weight, jnp.float32)
             if skip_nonfinite:
-                finite = _accumulate.all_finite(updates)
+                finite = _reductions.all_finite(updates)
                 w = jnp.where(finite, w, 0.0)
                 skipped = skipped + jnp.logical_not(finite).astype(jnp.int32)
             acc_weight = state.acc_weight + w
@@ -142,7 +142,7 @@ def multi_steps(
         def add(acc: jax.Array, g: jax.Array) -> jax.Array:
             if w is None:
                 return (acc + g).astype(acc.dtype)
-            return _accumulate.weighted_add(acc, g, w)
+            return _reductions.weighted_add(acc, g, w)
 
         k = jnp.maximum(jnp.asarray(schedule(state.gradient_step), jnp.int32), 1)
         emit = state.micro_step + 1 >= k
@@ -152,7 +152,7 @@ def multi_steps(
         # Only the inner update sits in the cond, so only it is skipped on accumulating calls.
         def emit_branch(operands: Any) -> tuple[optax.Updates, optax.OptState]:
             total, inner_state = operands
-            mean = _accumulate.cast_like(_accumulate.safe_divide(total, acc_weight), updates)
+            mean = _reductions.cast_like(_reductions.safe_divide(total, acc_weight), updates)
             return inner_ex.update(mean, inner_state, params, **extra_args)
 
         def accumulate_branch(operands: Any) -> tuple[optax.Updates, optax.OptState]:
