@@ -1,19 +1,31 @@
-"""Micro-batched ``value_and_grad``: one ``lax.scan`` over micro-batches, exact means."""
+"""Micro-batched ``value_and_grad``: split -> scan (micro-step) -> reduce -> finalize.
+
+Each stage is a module-level function a reader can find:
+
+- :func:`split_microbatches` cuts the batch arguments into k strided micro-batches;
+- :func:`micro_step` evaluates ``fun`` and its gradient on one micro-batch and adds the result
+  into the running :class:`Sums` (the rules for weights live in :mod:`jaxaccum._reductions`);
+- :func:`scan_microbatches` runs the micro-steps in one ``lax.scan`` (no scan when k == 1);
+- the data axes of a mesh, if any, are handled by :mod:`jaxaccum._sharding`, which reduces the
+  sums once per step;
+- :func:`finalize` divides once and casts the gradients to their parameters' dtypes.
+
+:func:`accumulate` chains them and returns an :class:`Accumulated`; :func:`value_and_grad` is
+the public front end.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 from jax.typing import DTypeLike
 
-from jaxaccum import _validation
+from jaxaccum import _reductions, _validation
 
 RematPolicy = Callable[..., bool]
 
@@ -24,7 +36,7 @@ class Sums(NamedTuple):
     Attributes:
       loss: sum over micro-batches of ``weight_i * loss_i`` (unweighted: ``weight_i = 1``).
       grads: the matching sum of gradients, in the accumulator dtype.
-      weight: sum of the weights (unweighted: the number of micro-batches).
+      weight: float32, the sum of the weights (unweighted: the number of micro-batches).
       skipped: int32, micro-batches left out for a non-finite loss or gradient.
     """
 
@@ -34,34 +46,53 @@ class Sums(NamedTuple):
     skipped: jax.Array
 
 
-def accumulator_dtype_for(dtype: DTypeLike, accumulator_dtype: DTypeLike | None) -> Any:
-    """The dtype a gradient leaf of ``dtype`` is summed in: never narrower than the leaf."""
-    if accumulator_dtype is None or not jnp.issubdtype(dtype, jnp.inexact):
-        return jnp.dtype(dtype)
-    return jnp.promote_types(dtype, accumulator_dtype)
+class Accumulated(NamedTuple):
+    """The result of :func:`accumulate`, before it is shaped into ``value_and_grad``'s output.
+
+    Attributes:
+      loss: the (weighted) mean loss over the batch, in the loss's dtype.
+      grads: its gradient, with the dtypes of the differentiated arguments.
+      aux: the aux values stacked along a leading axis of length k (None without ``has_aux``).
+      weight: float32 scalar, the total weight (unweighted: the number of micro-batches kept).
+      skipped: int32 scalar, micro-batches left out by ``skip_nonfinite``.
+      num_microbatches: k, summed over the data-parallel devices (a Python int).
+    """
+
+    loss: jax.Array
+    grads: Any
+    aux: Any
+    weight: jax.Array
+    skipped: jax.Array
+    num_microbatches: int
 
 
-def zeros_accumulator(tree: Any, accumulator_dtype: DTypeLike | None) -> Any:
-    """Zeros shaped like ``tree`` (arrays or ShapeDtypeStructs) in the accumulator dtype."""
-    return jax.tree.map(
-        lambda x: jnp.zeros(jnp.shape(x), accumulator_dtype_for(x.dtype, accumulator_dtype)),
-        tree,
-    )
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """What ``value_and_grad`` fixes at construction; shared by every stage."""
+
+    fun: Callable[..., Any]
+    argnums: int | tuple[int, ...]
+    diff_argnums: tuple[int, ...]
+    split_argnums: tuple[int, ...]
+    has_aux: bool
+    weighted: bool
+    accumulator_dtype: DTypeLike | None
+    unroll: int | bool
+    skip_nonfinite: bool
+
+    def differentiated(self, args: tuple[Any, ...]) -> Any:
+        """The differentiated arguments, shaped as ``jax.grad`` returns their gradients."""
+        if isinstance(self.argnums, int):
+            return args[self.argnums]
+        return tuple(args[i] for i in self.diff_argnums)
+
+    @property
+    def divides_safely(self) -> bool:
+        """Whether the total weight can be 0 (weighted, or every micro-batch skipped)."""
+        return self.weighted or self.skip_nonfinite
 
 
-def cast_like(tree: Any, like: Any) -> Any:
-    """Casts every leaf of ``tree`` to the dtype of the matching leaf of ``like``."""
-    return jax.tree.map(lambda x, y: x.astype(y.dtype), tree, like)
-
-
-def safe_divide(tree: Any, total: jax.Array) -> Any:
-    """``tree / total``, or zeros where ``total`` is 0 (a window with no valid example)."""
-    nonzero = total > 0
-    denom = jnp.where(nonzero, total, 1)
-    return jax.tree.map(lambda x: jnp.where(nonzero, x / denom.astype(x.dtype), 0), tree)
-
-
-def _with_remat(fun: Callable[..., Any], remat: bool | RematPolicy) -> Callable[..., Any]:
+def _with_remat(fun: Callable[..., Any], remat: bool | RematPolicy | None) -> Callable[..., Any]:
     if remat is False or remat is None:
         return fun
     if remat is True:
@@ -71,44 +102,7 @@ def _with_remat(fun: Callable[..., Any], remat: bool | RematPolicy) -> Callable[
     raise TypeError(f"remat must be a bool or a jax.checkpoint policy; got {remat!r}")
 
 
-def _mesh_axes(
-    mesh: jax.sharding.Mesh | None, data_axis: str | tuple[str, ...] | None
-) -> tuple[str, ...] | None:
-    """Checks the data-parallel arguments; returns the data axes as a tuple (None: no mesh)."""
-    if mesh is None:
-        if data_axis is not None:
-            raise ValueError(f"data_axis={data_axis!r} was given without a mesh")
-        return None
-    if not isinstance(mesh, jax.sharding.Mesh):
-        raise TypeError(f"mesh must be a jax.sharding.Mesh; got {type(mesh).__name__}")
-    if data_axis is None:
-        if len(mesh.axis_names) != 1:
-            raise ValueError(
-                f"data_axis must name the batch axis of a mesh with several axes; mesh axes are "
-                f"{mesh.axis_names}"
-            )
-        return tuple(mesh.axis_names)
-    axes = (data_axis,) if isinstance(data_axis, str) else tuple(data_axis)
-    missing = [a for a in axes if a not in mesh.axis_names]
-    if missing or not axes:
-        raise ValueError(
-            f"data_axis={data_axis!r} is not an axis of the mesh; mesh axes are {mesh.axis_names}"
-        )
-    return axes
-
-
-def all_finite(tree: Any) -> jax.Array:
-    """A boolean scalar: whether every element of every leaf is finite."""
-    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]
-    return jnp.all(jnp.stack(leaves)) if leaves else jnp.asarray(True)
-
-
-def weighted_add(acc: jax.Array, g: jax.Array, weight: jax.Array) -> jax.Array:
-    """``acc + weight * g``, adding nothing (not even a NaN from 0/0) where ``weight`` is 0."""
-    return acc + jnp.where(weight > 0, weight.astype(acc.dtype) * g, 0)
-
-
-def _split_output(out: Any, *, has_aux: bool, weighted: bool) -> tuple[Any, Any, Any]:
+def split_output(out: Any, *, has_aux: bool, weighted: bool) -> tuple[Any, Any, Any]:
     """Splits ``fun``'s output into ``(loss, weight, aux)`` after checking its structure."""
     expected = {
         (False, False): "loss",
@@ -134,6 +128,207 @@ def _split_output(out: Any, *, has_aux: bool, weighted: bool) -> tuple[Any, Any,
     return out, weight, aux
 
 
+# --- split ------------------------------------------------------------------------------------
+
+
+def split_microbatches(cfg: Config, args: tuple[Any, ...], k: int) -> tuple[Any, ...]:
+    """The batch arguments with a new leading micro-batch axis of length ``k`` (strided).
+
+    Micro-batch i holds examples i, i + k, i + 2k, ...: a batch whose leading axis is sharded
+    over devices in contiguous blocks (any block size divisible by k) is split where it lies,
+    each device's share of micro-batch i being examples of its own block.
+    """
+
+    def strided(x: jax.Array) -> jax.Array:
+        x = jnp.asarray(x)
+        return jnp.swapaxes(x.reshape((x.shape[0] // k, k) + x.shape[1:]), 0, 1)
+
+    return tuple(jax.tree.map(strided, args[i]) for i in cfg.split_argnums)
+
+
+def with_microbatch(cfg: Config, args: tuple[Any, ...], batch: tuple[Any, ...]) -> tuple:
+    """``args`` with the batch arguments replaced by one micro-batch."""
+    return tuple(
+        batch[cfg.split_argnums.index(i)] if i in cfg.split_argnums else a
+        for i, a in enumerate(args)
+    )
+
+
+def check_output(cfg: Config, args: tuple[Any, ...], batch: tuple[Any, ...]) -> Any:
+    """Traces ``fun`` abstractly on one micro-batch; checks the loss (and weight) are scalars."""
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), batch)
+    out = jax.eval_shape(cfg.fun, *with_microbatch(cfg, args, abstract))
+    loss, weight, _ = split_output(out, has_aux=cfg.has_aux, weighted=cfg.weighted)
+    _validation.scalar(loss, "the loss returned by fun", floating=True)
+    if cfg.weighted:
+        _validation.scalar(weight, "the weight returned by fun (weighted=True)", floating=False)
+    return loss
+
+
+# --- scan (micro-step) --------------------------------------------------------------------------
+
+
+def zero_sums(cfg: Config, args: tuple[Any, ...], loss: Any) -> Sums:
+    """The accumulator before the first micro-batch."""
+    return Sums(
+        loss=jnp.zeros((), _reductions.accumulator_dtype_for(loss.dtype, cfg.accumulator_dtype)),
+        grads=_reductions.zeros_accumulator(cfg.differentiated(args), cfg.accumulator_dtype),
+        weight=jnp.zeros((), jnp.float32),
+        skipped=jnp.zeros((), jnp.int32),
+    )
+
+
+def micro_step(cfg: Config, args: tuple[Any, ...], sums: Sums) -> tuple[Sums, Any]:
+    """Evaluates ``fun`` and its gradient on one micro-batch and adds them into ``sums``."""
+
+    def with_weight(*a: Any) -> tuple[jax.Array, tuple[Any, Any]]:
+        loss, weight, aux = split_output(cfg.fun(*a), has_aux=cfg.has_aux, weighted=cfg.weighted)
+        return loss, (weight, aux)
+
+    grad_fun = jax.value_and_grad(with_weight, argnums=cfg.argnums, has_aux=True)
+    (loss, (weight, aux)), grads = grad_fun(*args)
+    loss = loss.astype(sums.loss.dtype)
+    if weight is None and not cfg.skip_nonfinite:  # unweighted: a plain sum, divided by k
+        return Sums(
+            loss=sums.loss + loss,
+            grads=jax.tree.map(lambda acc, g: (acc + g).astype(acc.dtype), sums.grads, grads),
+            weight=sums.weight + 1,
+            skipped=sums.skipped,
+        ), aux
+    w = jnp.ones((), jnp.float32) if weight is None else jax.lax.stop_gradient(weight)
+    w = jnp.asarray(w).astype(jnp.float32)
+    skipped = sums.skipped
+    if cfg.skip_nonfinite:
+        w, bad = _reductions.skip_if_nonfinite(w, _reductions.all_finite((loss, grads)))
+        skipped = skipped + bad.astype(jnp.int32)
+    return Sums(
+        loss=_reductions.weighted_add(sums.loss, loss, w),
+        grads=jax.tree.map(lambda acc, g: _reductions.weighted_add(acc, g, w), sums.grads, grads),
+        weight=_reductions.add_weight(sums.weight, w),
+        skipped=skipped,
+    ), aux
+
+
+def scan_microbatches(
+    cfg: Config,
+    args: tuple[Any, ...],
+    k: int,
+    sums: Sums | None = None,
+    batches: tuple[Any, ...] | None = None,
+) -> tuple[Sums, Any, Any]:
+    """Runs :func:`micro_step` over ``k`` strided micro-batches in one ``lax.scan``.
+
+    Returns ``(sums, stacked_aux, abstract_loss)``. ``sums`` (the starting accumulator) and
+    ``batches`` (already split) may be given by a caller that places them on a mesh. With
+    ``k == 1`` no scan is emitted: the cost is that of a plain ``jax.value_and_grad``.
+    """
+    if batches is None:
+        batches = split_microbatches(cfg, args, k)
+    loss = check_output(cfg, args, batches)
+    if sums is None:
+        sums = zero_sums(cfg, args, loss)
+
+    def body(sums: Sums, batch: tuple[Any, ...]) -> tuple[Sums, Any]:
+        return micro_step(cfg, with_microbatch(cfg, args, batch), sums)
+
+    if k == 1:
+        sums, aux = body(sums, jax.tree.map(lambda x: x[0], batches))
+        aux = jax.tree.map(lambda x: jnp.expand_dims(jnp.asarray(x), 0), aux)
+    else:
+        sums, aux = jax.lax.scan(body, sums, batches, unroll=cfg.unroll)
+    return sums, aux, loss
+
+
+# --- finalize -----------------------------------------------------------------------------------
+
+
+def finalize(
+    cfg: Config, sums: Sums, args: tuple[Any, ...], loss: Any
+) -> tuple[jax.Array, Any]:
+    """Divides the (reduced) sums by the total weight, once; casts to the arguments' dtypes."""
+    if cfg.divides_safely:
+        mean_loss = _reductions.safe_divide(sums.loss, sums.weight)
+        grads = _reductions.safe_divide(sums.grads, sums.weight)
+    else:
+        mean_loss = sums.loss / sums.weight
+        grads = jax.tree.map(lambda g: g / sums.weight.astype(g.dtype), sums.grads)
+    return mean_loss.astype(loss.dtype), _reductions.cast_like(grads, cfg.differentiated(args))
+
+
+def accumulate(
+    cfg: Config,
+    args: tuple[Any, ...],
+    num_microbatches: int | None,
+    microbatch_size: int | None,
+    sharding: Any = None,
+) -> Accumulated:
+    """The whole pipeline on positional ``args``: split -> scan -> reduce -> finalize.
+
+    ``sharding`` is a :class:`jaxaccum._sharding.DataParallel` (or None): then each device
+    scans its own share of the batch and the sums are reduced over the data axes once.
+    """
+    batch_size = _validation.leading_batch_size(args, cfg.split_argnums)
+    _validation.floating_leaves(
+        cfg.differentiated(args), "argnums", "gradients need floating (or complex) leaves"
+    )
+    if sharding is not None:
+        return sharding.accumulate(cfg, args, batch_size, num_microbatches, microbatch_size)
+    k = _validation.resolve_num_microbatches(batch_size, num_microbatches, microbatch_size)
+    sums, aux, loss = scan_microbatches(cfg, args, k)
+    mean_loss, grads = finalize(cfg, sums, args, loss)
+    return Accumulated(mean_loss, grads, aux, sums.weight, sums.skipped, k)
+
+
+def make_config(
+    fun: Callable[..., Any],
+    *,
+    has_aux: bool,
+    weighted: bool,
+    argnums: int | tuple[int, ...],
+    batch_argnums: int | tuple[int, ...],
+    accumulator_dtype: DTypeLike | None,
+    remat: bool | RematPolicy,
+    unroll: int | bool,
+    skip_nonfinite: bool,
+) -> Config:
+    """Checks the construction arguments and fixes them in a :class:`Config`."""
+    if not callable(fun):
+        raise TypeError(f"fun must be callable; got {type(fun).__name__}: {fun!r}")
+    diff_argnums = _validation.argnums_tuple(argnums, "argnums")
+    split_argnums = _validation.argnums_tuple(batch_argnums, "batch_argnums")
+    if set(diff_argnums) & set(split_argnums):
+        raise ValueError(
+            f"argnums={argnums!r} and batch_argnums={batch_argnums!r} overlap; the batch is split "
+            "and cannot be differentiated as a whole"
+        )
+    return Config(
+        fun=_with_remat(fun, remat),
+        argnums=argnums if isinstance(argnums, int) else diff_argnums,
+        diff_argnums=diff_argnums,
+        split_argnums=split_argnums,
+        has_aux=has_aux,
+        weighted=weighted,
+        accumulator_dtype=accumulator_dtype,
+        unroll=unroll,
+        skip_nonfinite=skip_nonfinite,
+    )
+
+
+def bind_call(
+    cfg: Config, args: tuple[Any, ...], kwargs: dict[str, Any], argnums: Any, batch_argnums: Any
+) -> Config:
+    """Checks the call's positional count; binds keyword arguments (passed whole, not split)."""
+    needed = max(cfg.diff_argnums + cfg.split_argnums) + 1
+    if len(args) < needed:
+        raise TypeError(
+            f"argnums={argnums!r}, batch_argnums={batch_argnums!r} need at least {needed} "
+            f"positional arguments; got {len(args)}"
+        )
+    if not kwargs:
+        return cfg
+    return dataclasses.replace(cfg, fun=functools.partial(cfg.fun, **kwargs))
+
+
 def value_and_grad(
     fun: Callable[..., Any],
     *,
@@ -148,27 +343,32 @@ def value_and_grad(
     unroll: int | bool = 1,
     mesh: jax.sharding.Mesh | None = None,
     data_axis: str | tuple[str, ...] | None = None,
+    fsdp: str = "step",
     skip_nonfinite: bool = False,
 ) -> Callable[..., tuple[Any, Any]]:
     """Like ``jax.value_and_grad``, but the batch is processed as k micro-batches in one scan.
 
     The arguments named by ``batch_argnums`` (pytrees whose leaves share a leading batch axis)
-    are split into ``k`` contiguous micro-batches of equal size; ``fun`` and its gradient are
-    evaluated on each inside one ``jax.lax.scan``, and the losses and gradients are summed in
-    ``accumulator_dtype`` and divided once. Live activations therefore scale like ``1/k``; no
-    parameter-sized state persists between calls. With ``k == 1`` no scan is emitted and the
-    cost is that of ``jax.value_and_grad``.
+    are split into ``k`` micro-batches of equal size, **strided**: micro-batch i holds examples
+    i, i + k, i + 2k, ... (so a batch sharded over devices is split where it lies). ``fun`` and
+    its gradient are evaluated on each inside one ``jax.lax.scan``, and the losses and gradients
+    are summed in ``accumulator_dtype`` and divided once. Live activations therefore scale like
+    ``1/k``; no parameter-sized state persists between calls. With ``k == 1`` no scan is emitted
+    and the cost is that of ``jax.value_and_grad``.
 
-    ``fun(*args)`` must return the **mean** loss over the examples it is given. Then the result
-    equals ``jax.value_and_grad(fun, argnums, has_aux)(*args)`` on the full batch, up to float
-    rounding.
+    ``fun(*args, **kwargs)`` must return the **mean** loss over the examples it is given. Then
+    the result equals ``jax.value_and_grad(fun, argnums, has_aux)(*args, **kwargs)`` on the full
+    batch, up to float rounding. Keyword arguments are passed whole to every micro-batch: they
+    are neither split nor differentiated (as ``jax.value_and_grad`` never differentiates them).
 
     With ``weighted=True`` ``fun`` returns ``(loss, weight)`` (with aux, ``((loss, weight),
     aux)``) where ``loss`` is the mean over the micro-batch's valid items and ``weight`` their
     number. The result is ``sum_i w_i * loss_i / sum_i w_i`` and its gradient: exactly the
     full-batch mean over valid items however unevenly they fall into micro-batches (a mean of
     micro-batch means would not be). A micro-batch with weight 0 contributes nothing, even if
-    its loss is NaN (0/0); if every weight is 0 the loss and gradient are 0.
+    its loss is NaN (0/0); if every weight is 0 the loss and gradient are 0 (and
+    :func:`jaxaccum.train_step` skips the optimizer step). A negative weight is invalid: it
+    makes the result NaN (with ``skip_nonfinite``, its micro-batch is skipped and counted).
 
     Args:
       fun: the loss function. Its arguments in ``argnums`` are differentiated; those in
@@ -187,19 +387,18 @@ def value_and_grad(
         is passed on as ``policy``. Trades recomputation for activation memory.
       unroll: passed to ``jax.lax.scan``; unrolling a few iterations cuts loop overhead when
         micro-batches are tiny, at the price of compile time.
-      mesh: data parallelism: a ``jax.sharding.Mesh``. The batch is split along
-        ``data_axis`` (it must divide the batch size); every other argument, the parameters
-        included, is replicated. Each device scans over *its own* k micro-batches (so k and
-        ``microbatch_size`` are per device: micro-batches hold ``B / (devices * k)``
-        examples), and the loss, gradient and weight sums are reduced across devices once,
-        after the scan, with one ``psum``: the all-reduce count does not grow with k, and the
-        batch is never all-gathered. Weighted mode divides by the global sum of weights. The
-        aux values come back stacked over devices and micro-batches (``devices * k``). Works
-        with meshes from ``jax.make_mesh`` (Explicit axes: the arguments are resharded to
-        the batch spec and replicated) and with Auto-axis meshes, and in multi-process runs
-        (``jax.distributed``), where the batch is a global array.
+      mesh: data parallelism: a ``jax.sharding.Mesh``. The batch is split along ``data_axis``
+        (it must divide the batch size). Each device scans over *its own* k micro-batches (so
+        k and ``microbatch_size`` are per device), and the sums are reduced across the data
+        axes once, after the scan; see :mod:`jaxaccum._sharding` for the parameter shardings
+        that are kept. The aux values come back stacked over devices and micro-batches.
       data_axis: the mesh axis (or axes) the batch is split over; may be omitted for a
         one-axis mesh.
+      fsdp: for parameters sharded over a data axis (FSDP/ZeRO): ``"step"`` gathers each once
+        per step (one all-gather before the scan, one reduce-scatter after it; a transient full
+        parameter and gradient per device); ``"microbatch"`` gathers it in every micro-batch
+        and reduce-scatters every micro-batch's gradient into a sharded accumulator (ZeRO-3:
+        less memory, k times the traffic).
       skip_nonfinite: leave out every micro-batch whose loss or gradient holds a NaN or an
         infinity, and renormalise: the result is the exact (weighted) mean over the remaining
         micro-batches, and 0 if none remains. The value then carries a count: it is
@@ -219,14 +418,14 @@ def value_and_grad(
 
     Example:
       >>> import jax, jax.numpy as jnp, jaxaccum
-      >>> def loss(w, batch):
+      >>> def loss(w, batch, scale=1.0):
       ...     x, y = batch
-      ...     return jnp.mean((x @ w - y) ** 2)
+      ...     return scale * jnp.mean((x @ w - y) ** 2)
       >>> x = jnp.arange(24.0).reshape(8, 3) / 10
       >>> y = jnp.ones(8)
       >>> w = jnp.array([0.1, -0.2, 0.3])
-      >>> full = jax.value_and_grad(loss)(w, (x, y))
-      >>> micro = jax.jit(jaxaccum.value_and_grad(loss, num_microbatches=4))(w, (x, y))
+      >>> full = jax.value_and_grad(loss)(w, (x, y), scale=2.0)
+      >>> micro = jax.jit(jaxaccum.value_and_grad(loss, num_microbatches=4))(w, (x, y), scale=2.0)
       >>> bool(jnp.allclose(full[0], micro[0])), bool(jnp.allclose(full[1], micro[1]))
       (True, True)
 
@@ -235,159 +434,38 @@ def value_and_grad(
       the 2024 Hugging Face gradient-accumulation loss fix
       (https://huggingface.co/blog/gradient_accumulation).
     """
+    from jaxaccum import _sharding  # the data axes; imported here to keep the cycle one-way
+
     _validation.exactly_one_count(num_microbatches, microbatch_size)
-    diff_argnums = _validation.argnums_tuple(argnums, "argnums")
-    split_argnums = _validation.argnums_tuple(batch_argnums, "batch_argnums")
-    if set(diff_argnums) & set(split_argnums):
-        raise ValueError(
-            f"argnums={argnums!r} and batch_argnums={batch_argnums!r} overlap; the batch is split "
-            "and cannot be differentiated as a whole"
-        )
-    checked_fun = _with_remat(fun, remat)
-    axes = _mesh_axes(mesh, data_axis)
-
-    def micro_fun(*args: Any) -> tuple[jax.Array, tuple[Any, Any]]:
-        loss, weight, aux = _split_output(checked_fun(*args), has_aux=has_aux, weighted=weighted)
-        return loss, (weight, aux)
-
-    grad_fun = jax.value_and_grad(micro_fun, argnums=argnums, has_aux=True)
-
-    def micro_step(args: tuple[Any, ...], sums: Sums) -> tuple[Sums, Any]:
-        (loss, (weight, aux)), grads = grad_fun(*args)
-        loss = loss.astype(sums.loss.dtype)
-        skipped = sums.skipped
-        if skip_nonfinite:
-            finite = all_finite((loss, grads))
-            skipped = skipped + jnp.logical_not(finite).astype(jnp.int32)
-            weight = jnp.where(finite, 1 if weight is None else weight, 0)
-        if weight is None:  # unweighted: a plain sum, divided by k once at the end
-            return Sums(
-                loss=sums.loss + loss,
-                grads=jax.tree.map(lambda acc, g: acc + g, sums.grads, grads),
-                weight=sums.weight + 1,
-                skipped=skipped,
-            ), aux
-        weight = jax.lax.stop_gradient(weight).astype(sums.weight.dtype)
-        return Sums(
-            loss=weighted_add(sums.loss, loss, weight),
-            grads=jax.tree.map(lambda acc, g: weighted_add(acc, g, weight), sums.grads, grads),
-            weight=sums.weight + weight,
-            skipped=skipped,
-        ), aux
+    cfg = make_config(
+        fun,
+        has_aux=has_aux,
+        weighted=weighted,
+        argnums=argnums,
+        batch_argnums=batch_argnums,
+        accumulator_dtype=accumulator_dtype,
+        remat=remat,
+        unroll=unroll,
+        skip_nonfinite=skip_nonfinite,
+    )
+    sharding = _sharding.data_parallel(mesh, data_axis, fsdp)
 
     @functools.wraps(fun)
-    def accumulated(*args: Any) -> tuple[Any, Any]:
-        needed = max(diff_argnums + split_argnums) + 1
-        if len(args) < needed:
-            raise TypeError(
-                f"argnums={argnums!r}, batch_argnums={batch_argnums!r} need at least {needed} "
-                f"positional arguments; got {len(args)}"
-            )
-        batch_size = _validation.leading_batch_size(args, split_argnums)
-        _validation.floating_leaves(
-            _differentiated(args), "argnums", "gradients need floating (or complex) leaves"
-        )
-        if mesh is None:
-            k = _validation.resolve_num_microbatches(batch_size, num_microbatches, microbatch_size)
-            loss, grads, aux, skipped = reduce_and_finalize(args, k, batch_size // k, None)
-        else:
-            loss, grads, aux, skipped, k = data_parallel(args, batch_size)
-        if skip_nonfinite:
-            info = {"aux": aux if has_aux else None, "skipped": skipped, "num_microbatches": k}
-            return (loss, info), grads
-        return ((loss, aux) if has_aux else loss), grads
-
-    def reduce_and_finalize(
-        args: tuple[Any, ...], k: int, size: int, axes: tuple[str, ...] | None
-    ) -> tuple[jax.Array, Any, Any, jax.Array]:
-        """Scans this device's micro-batches, reduces over ``axes`` once, divides once."""
-        sums, aux, out_loss = local_sums(args, k, size)
-        if axes is not None:
-            sums = jax.lax.psum(sums, axes)  # the only collective: once per step
-        if weighted or skip_nonfinite:
-            loss, grads = safe_divide(sums.loss, sums.weight), safe_divide(sums.grads, sums.weight)
-        else:
-            loss = sums.loss / sums.weight
-            grads = jax.tree.map(lambda g: g / sums.weight.astype(g.dtype), sums.grads)
-        grads = cast_like(grads, _differentiated(args))
-        return loss.astype(out_loss.dtype), grads, aux, sums.skipped
-
-    def data_parallel(args: tuple[Any, ...], batch_size: int) -> tuple[Any, ...]:
-        """Each device scans its shard; one psum of the sums after the scan."""
-        assert mesh is not None and axes is not None
-        devices = math.prod(mesh.shape[a] for a in axes)
-        if batch_size % devices:
-            raise ValueError(
-                f"the batch size {batch_size} is not divisible by the {devices} devices of "
-                f"mesh axis data_axis={data_axis!r}"
-            )
-        local_size = batch_size // devices
-        k = _validation.resolve_num_microbatches(local_size, num_microbatches, microbatch_size)
-        spec = P(axes)
-        in_specs = tuple(spec if i in split_argnums else P() for i in range(len(args)))
-        if any(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types):
-            # jax.make_mesh's default: place the arguments as shard_map expects them
-            args = tuple(
-                jax.tree.map(lambda x, s=s: jax.reshard(jnp.asarray(x), NamedSharding(mesh, s)), a)
-                for a, s in zip(args, in_specs, strict=True)
-            )
-        out = jax.shard_map(
-            lambda *local: reduce_and_finalize(local, k, local_size // k, axes),
-            mesh=mesh,
-            in_specs=in_specs,
-            out_specs=(P(), P(), spec, P()),
-            check_vma=False,
-        )(*args)
-        return (*out, k * devices)
-
-    def _differentiated(args: tuple[Any, ...]) -> Any:
-        if isinstance(argnums, int):
-            return args[argnums]
-        return tuple(args[i] for i in diff_argnums)
-
-    def local_sums(args: tuple[Any, ...], k: int, size: int) -> tuple[Sums, Any, Any]:
-        """Scans over this device's ``k`` micro-batches of ``size`` examples each."""
-        split = tuple(
-            jax.tree.map(lambda x: x.reshape((k, size) + x.shape[1:]), a)
-            if i in split_argnums
-            else a
-            for i, a in enumerate(args)
-        )
-        first = tuple(
-            jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), a)
-            if i in split_argnums
-            else a
-            for i, a in enumerate(split)
-        )
-        out_loss = _check_output(first)
-        sums = Sums(
-            loss=jnp.zeros((), accumulator_dtype_for(out_loss.dtype, accumulator_dtype)),
-            grads=zeros_accumulator(_differentiated(args), accumulator_dtype),
-            weight=jnp.zeros((), jnp.float32),
-            skipped=jnp.zeros((), jnp.int32),
-        )
-
-        def body(sums: Sums, batch_args: tuple[Any, ...]) -> tuple[Sums, Any]:
-            full = tuple(
-                batch_args[split_argnums.index(i)] if i in split_argnums else a
-                for i, a in enumerate(args)
-            )
-            return micro_step(full, sums)
-
-        if k == 1:  # no scan: the cost of a plain jax.value_and_grad
-            sums, aux = body(sums, tuple(args[i] for i in split_argnums))
-            aux = jax.tree.map(lambda x: jnp.expand_dims(jnp.asarray(x), 0), aux)
-        else:
-            batches = tuple(split[i] for i in split_argnums)
-            sums, aux = jax.lax.scan(body, sums, batches, unroll=unroll)
-        return sums, aux, out_loss
-
-    def _check_output(first_args: tuple[Any, ...]) -> Any:
-        out = jax.eval_shape(checked_fun, *first_args)
-        loss, weight, _ = _split_output(out, has_aux=has_aux, weighted=weighted)
-        _validation.scalar(loss, "the loss returned by fun", floating=True)
-        if weighted:
-            _validation.scalar(weight, "the weight returned by fun (weighted=True)", floating=False)
-        return loss
+    def accumulated(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
+        call_cfg = bind_call(cfg, args, kwargs, argnums, batch_argnums)
+        out = accumulate(call_cfg, args, num_microbatches, microbatch_size, sharding)
+        return shape_value(cfg, out), out.grads
 
     return accumulated
+
+
+def shape_value(cfg: Config, out: Accumulated) -> Any:
+    """``value_and_grad``'s value: the loss, ``(loss, aux)``, or with ``skip_nonfinite`` a dict."""
+    if cfg.skip_nonfinite:
+        info = {
+            "aux": out.aux if cfg.has_aux else None,
+            "skipped": out.skipped,
+            "num_microbatches": out.num_microbatches,
+        }
+        return out.loss, info
+    return (out.loss, out.aux) if cfg.has_aux else out.loss

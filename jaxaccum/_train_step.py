@@ -2,14 +2,119 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import NamedSharding
+from jax.typing import DTypeLike
 
-from jaxaccum import _accumulate
+from jaxaccum import _accumulate, _sharding, _validation
+
+
+def _sharding_of(x: Any) -> Any:
+    """A concrete array's (or ShapeDtypeStruct's) NamedSharding, else None."""
+    sharding = getattr(x, "sharding", None)
+    return sharding if isinstance(sharding, NamedSharding) else None
+
+
+def apply_step(
+    optimizer: optax.GradientTransformation,
+    params: optax.Params,
+    opt_state: optax.OptState,
+    out: _accumulate.Accumulated,
+    may_be_empty: bool,
+) -> tuple[optax.Params, optax.OptState]:
+    """One optimizer update; with zero total weight, params and state come back unchanged."""
+    updates, new_state = optimizer.update(out.grads, opt_state, params)
+    new_params = optax.apply_updates(params, updates)
+    if may_be_empty:  # nothing to learn from (all weights 0, or all skipped): no step at all
+        stepped = out.weight > 0
+        new_params, new_state = jax.tree.map(
+            lambda old, new: jnp.where(stepped, new, old),
+            (params, opt_state),
+            (new_params, new_state),
+        )
+    return new_params, new_state
+
+
+class TrainStep:
+    """The callable :func:`train_step` returns: one jitted program per optimizer step.
+
+    On an Auto-axis mesh, traced arrays carry no sharding, so the step reads the shardings of
+    the arrays it is called with (``jax.Array`` or ``jax.ShapeDtypeStruct``) before it traces,
+    keeps one compiled program per distinct set of shardings, and returns the parameters and
+    optimizer state with the shardings they came in with.
+    """
+
+    def __init__(
+        self,
+        cfg: _accumulate.Config,
+        optimizer: optax.GradientTransformation,
+        counts: tuple[int | None, int | None],
+        sharding: _sharding.DataParallel | None,
+        donate: bool,
+    ) -> None:
+        self._cfg = cfg
+        self._optimizer = optimizer
+        self._counts = counts
+        self._sharding = sharding
+        self._donate = donate
+        self._compiled: dict[Any, Any] = {}
+
+    def _step_fn(self, hints: Any) -> Callable[..., Any]:
+        cfg, optimizer, sharding = self._cfg, self._optimizer, self._sharding
+        if sharding is not None and hints is not None:
+            sharding = dataclasses.replace(sharding, hints=(hints[0], *hints[2:]))
+
+        def step(
+            params: optax.Params, opt_state: optax.OptState, batch: Any, *rest: Any
+        ) -> tuple[optax.Params, optax.OptState, jax.Array, Any]:
+            out = _accumulate.accumulate(cfg, (params, batch, *rest), *self._counts, sharding)
+            new_params, new_state = apply_step(
+                optimizer, params, opt_state, out, cfg.divides_safely
+            )
+            if hints is not None:  # keep the shardings the step was called with
+                new_params, new_state = jax.tree.map(
+                    lambda x, s: x if s is None else jax.lax.with_sharding_constraint(x, s),
+                    (new_params, new_state),
+                    hints[:2],
+                    is_leaf=lambda s: s is None or isinstance(s, NamedSharding),
+                )
+            value = _accumulate.shape_value(cfg, out)
+            loss, aux = value if cfg.has_aux or cfg.skip_nonfinite else (value, None)
+            return new_params, new_state, loss, aux
+
+        return jax.jit(step, donate_argnums=(0, 1) if self._donate else ())
+
+    def _jitted(self, args: tuple[Any, ...]) -> Any:
+        hints = None
+        if self._sharding is not None and not self._sharding.explicit:
+            hints = tuple(jax.tree.map(_sharding_of, a) for a in args)
+        key = None if hints is None else jax.tree.flatten(
+            hints, is_leaf=lambda s: s is None
+        )
+        cache_key = None if key is None else (tuple(key[0]), key[1])
+        if cache_key not in self._compiled:
+            self._compiled[cache_key] = self._step_fn(hints)
+        return self._compiled[cache_key]
+
+    def __call__(
+        self, params: optax.Params, opt_state: optax.OptState, batch: Any, *rest: Any
+    ) -> tuple[optax.Params, optax.OptState, jax.Array, Any]:
+        args = (params, opt_state, batch, *rest)
+        return self._jitted(args)(*args)  # type: ignore[no-any-return]
+
+    def lower(self, *args: Any) -> Any:
+        """``jax.jit(...).lower`` of the step for these arguments (arrays or shape structs)."""
+        return self._jitted(args).lower(*args)
+
+    def trace(self, *args: Any) -> Any:
+        """``jax.jit(...).trace`` of the step for these arguments."""
+        return self._jitted(args).trace(*args)
 
 
 def train_step(
@@ -22,15 +127,26 @@ def train_step(
     weighted: bool = False,
     skip_nonfinite: bool = False,
     donate: bool = True,
-    **kwargs: Any,
-) -> Callable[..., tuple[optax.Params, optax.OptState, jax.Array, Any]]:
+    accumulator_dtype: DTypeLike | None = jnp.float32,
+    remat: bool | _accumulate.RematPolicy = False,
+    unroll: int | bool = 1,
+    mesh: jax.sharding.Mesh | None = None,
+    data_axis: str | tuple[str, ...] | None = None,
+    fsdp: str = "step",
+) -> TrainStep:
     """Builds one jitted optimizer step over a batch split into micro-batches.
 
     ``step(params, opt_state, batch, *rest)`` computes the loss and gradient of
     ``loss_fn(params, batch, *rest)`` with :func:`jaxaccum.value_and_grad` (one ``lax.scan``
     over the micro-batches), applies ``optimizer.update`` once and ``optax.apply_updates``, all
     in one ``jax.jit`` program. ``params`` and ``opt_state`` are donated: do not reuse the
-    arrays you pass in.
+    arrays you pass in. A step whose total weight is 0 (``weighted`` with every weight 0, or
+    every micro-batch skipped by ``skip_nonfinite``) changes neither ``params`` nor
+    ``opt_state``: no optimizer step is taken (Adam's count and moments stay where they were).
+
+    With ``mesh``, parameters and optimizer state may carry any ``NamedSharding`` on it (tensor
+    parallel over model axes, FSDP over the data axes, or both); they come back with the same
+    shardings, and the gradients are reduced over the data axes once per step.
 
     Args:
       loss_fn: ``loss_fn(params, batch, *rest)`` returning the mean loss over its examples
@@ -42,15 +158,20 @@ def train_step(
       weighted: see :func:`jaxaccum.value_and_grad`.
       skip_nonfinite: leave out micro-batches with a non-finite loss or gradient (see
         :func:`jaxaccum.value_and_grad`); if every micro-batch is left out, the whole step is
-        skipped: ``params`` and ``opt_state`` come back unchanged. ``aux`` is then
-        ``{"aux": aux or None, "skipped": count, "num_microbatches": k}``.
+        skipped.
       donate: donate ``params`` and ``opt_state`` to the step (saves their memory).
-      **kwargs: passed on to :func:`jaxaccum.value_and_grad` (``accumulator_dtype``,
-        ``remat``, ``unroll``).
+      accumulator_dtype: see :func:`jaxaccum.value_and_grad`.
+      remat: see :func:`jaxaccum.value_and_grad`.
+      unroll: see :func:`jaxaccum.value_and_grad`.
+      mesh: see :func:`jaxaccum.value_and_grad`.
+      data_axis: see :func:`jaxaccum.value_and_grad`.
+      fsdp: see :func:`jaxaccum.value_and_grad`.
 
     Returns:
-      A jitted ``step(params, opt_state, batch, *rest) -> (params, opt_state, loss, aux)``;
-      ``aux`` (stacked over micro-batches) is ``None`` without ``has_aux``.
+      A :class:`TrainStep`: ``step(params, opt_state, batch, *rest) -> (params, opt_state,
+      loss, aux)``, with ``lower``/``trace`` like a jitted function. ``aux`` is the stacked
+      aux with ``has_aux``, ``None`` without it; with ``skip_nonfinite`` it is the dict
+      ``{"aux": stacked aux or None, "skipped": int32 count, "num_microbatches": k}``.
 
     Raises:
       ValueError: as :func:`jaxaccum.value_and_grad`.
@@ -71,33 +192,17 @@ def train_step(
         raise TypeError(
             f"optimizer must be an optax.GradientTransformation; got {type(optimizer).__name__}"
         )
-    grad_fn = _accumulate.value_and_grad(
+    _validation.exactly_one_count(num_microbatches, microbatch_size)
+    cfg = _accumulate.make_config(
         loss_fn,
-        num_microbatches=num_microbatches,
-        microbatch_size=microbatch_size,
         has_aux=has_aux,
         weighted=weighted,
         argnums=0,
         batch_argnums=1,
+        accumulator_dtype=accumulator_dtype,
+        remat=remat,
+        unroll=unroll,
         skip_nonfinite=skip_nonfinite,
-        **kwargs,
     )
-
-    def step(
-        params: optax.Params, opt_state: optax.OptState, batch: Any, *rest: Any
-    ) -> tuple[optax.Params, optax.OptState, jax.Array, Any]:
-        value, grads = grad_fn(params, batch, *rest)
-        loss, aux = value if has_aux or skip_nonfinite else (value, None)
-        info: Any = aux
-        updates, new_state = optimizer.update(grads, opt_state, params)
-        new_params = optax.apply_updates(params, updates)
-        if skip_nonfinite:  # nothing finite to learn from: skip the optimizer step
-            keep = info["skipped"] == info["num_microbatches"]
-            new_params, new_state = jax.tree.map(
-                lambda old, new: jnp.where(keep, old, new),
-                (params, opt_state),
-                (new_params, new_state),
-            )
-        return new_params, new_state, loss, aux
-
-    return jax.jit(step, donate_argnums=(0, 1) if donate else ())
+    sharding = _sharding.data_parallel(mesh, data_axis, fsdp)
+    return TrainStep(cfg, optimizer, (num_microbatches, microbatch_size), sharding, donate)

@@ -45,6 +45,67 @@ def assert_trees_close(actual, expected, rtol: float) -> float:
     return d
 
 
+EPS32 = float(np.finfo(np.float32).eps)
+
+
+def rounding_error_ratio(actual, full32, ref64) -> tuple[float, float, float]:
+    """Errors against a float64 reference, relative to its max magnitude.
+
+    Returns ``(err_actual, err_full32, bound)`` where ``bound = ROUNDING_FACTOR * err_full32 +
+    ROUNDING_FLOOR * eps32``: the error float32 rounding already makes in the full-batch run,
+    times a small factor, plus a floor of a few float32 ulps for runs where that error is 0.
+    """
+    err_actual = max_rel_diff(actual, ref64)
+    err_full = max_rel_diff(full32, ref64)
+    return err_actual, err_full, ROUNDING_FACTOR * err_full + ROUNDING_FLOOR * EPS32
+
+
+# Error analysis: accumulation reorders float32 sums (k partial sums of B/k terms instead of one
+# sum of B terms); its rounding error is of the same order as the full batch's own (both
+# O(eps32 * log B) per reduction, amplified alike by the optimizer, Adam's near-zero-gradient
+# parameters included, since both runs see the same noise level). A factor 10 over the
+# full-batch float32 error leaves room for the two error realisations to differ; real bugs
+# (a mean of means, a step per micro-batch, a schedule advanced k times) are errors of 1e-3 and
+# more, 4+ orders of magnitude above either.
+ROUNDING_FACTOR = 10.0
+ROUNDING_FLOOR = 16.0
+
+
+def assert_within_rounding(actual, full32, ref64) -> tuple[float, float]:
+    """Asserts ``actual`` is as close to the float64 reference as float32 rounding allows.
+
+    ``full32`` is the full-batch float32 run, ``ref64`` the same computation in float64. Both
+    errors are relative to max |ref64| over the tree. Returns ``(err_actual, err_full32)``.
+    """
+    err_actual, err_full, bound = rounding_error_ratio(actual, full32, ref64)
+    assert err_actual <= bound, (
+        f"error vs the float64 reference {err_actual:.3e} > {ROUNDING_FACTOR:g} x the full "
+        f"batch's own float32 error {err_full:.3e} + {ROUNDING_FLOOR:g} eps32"
+    )
+    return err_actual, err_full
+
+
+def to_float64(tree):
+    """Casts every floating leaf to float64 (call inside ``jax.enable_x64(True)``)."""
+    return jax.tree.map(
+        lambda x: jnp.asarray(x, jnp.float64) if jnp.issubdtype(jnp.result_type(x), jnp.floating)
+        else x,
+        tree,
+    )
+
+
+def float64_trajectory(loss_fn, make_optimizer, params, batches):
+    """The full-batch trajectory computed in float64: the reference for rounding checks.
+
+    Runs with x64 enabled and a fresh optimizer; returns the final params as float64 NumPy.
+    """
+    with jax.enable_x64(True):
+        out = full_batch_trajectory(
+            loss_fn, make_optimizer(), to_float64(params), [to_float64(b) for b in batches]
+        )
+        return jax.tree.map(lambda x: np.asarray(x, np.float64), out)
+
+
 def mlp_params(key, sizes=(8, 16, 4), dtype=jnp.float32):
     params = {}
     for i, (m, n) in enumerate(zip(sizes[:-1], sizes[1:], strict=True)):

@@ -54,9 +54,10 @@ def test_has_aux_stacks_per_microbatch(k):
     )(PARAMS, BATCH)
     assert aux["first"].shape == (k, 4)
     np.testing.assert_array_equal(aux["n"], np.full(k, 64 // k))
-    # Each micro-batch's first prediction is example i * (64 / k) of the full batch.
+    # Micro-batches are strided: micro-batch i holds examples i, i + k, ..., so its first
+    # prediction is example i's.
     full_pred = mlp_apply(PARAMS, BATCH[0])
-    np.testing.assert_allclose(aux["first"], full_pred[:: 64 // k], rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(aux["first"], full_pred[:k], rtol=1e-6, atol=1e-6)
     assert_trees_close(loss, mse_loss(PARAMS, BATCH), 1e-6)
 
 
@@ -82,9 +83,11 @@ def masked_loss(params, batch):
 
 
 def uneven_mask():
-    # 8 micro-batches of 8: valid counts 8, 1, 0, 5, 8, 2, 3, 7 (the third is empty).
-    counts = [8, 1, 0, 5, 8, 2, 3, 7]
-    return jnp.asarray(np.concatenate([np.arange(8) < c for c in counts]).astype(np.float32))
+    # 8 strided micro-batches of 8 (micro-batch i holds examples i, i + 8, ...): valid counts
+    # 8, 1, 0, 5, 8, 2, 3, 7 (the third is empty).
+    counts = np.array([8, 1, 0, 5, 8, 2, 3, 7])
+    j = np.arange(64)
+    return jnp.asarray((j // 8 < counts[j % 8]).astype(np.float32))
 
 
 def test_weighted_uneven_equals_full_masked_mean():
@@ -295,16 +298,16 @@ def test_property_weighted_equivalence(data, micro, k, features):
 # --- non-finite micro-batches and hostile inputs -----------------------------------------------
 
 
-def with_nan_in_microbatch(batch, index, size):
+def with_nan_in_microbatch(batch, index):
+    """A NaN in example ``index``, which strided micro-batch ``index`` holds (index < k)."""
     x, y = batch
-    return x.at[index * size].set(jnp.nan), y
+    return x.at[index].set(jnp.nan), y
 
 
 @pytest.mark.parametrize("k", [4, 8])
 def test_skip_nonfinite_equals_remaining_examples(k):
-    size = 64 // k
-    bad = with_nan_in_microbatch(BATCH, 2, size)
-    keep = np.r_[0 : 2 * size, 3 * size : 64]
+    bad = with_nan_in_microbatch(BATCH, 2)
+    keep = np.flatnonzero(np.arange(64) % k != 2)
     expected = jax.value_and_grad(mse_loss)(PARAMS, jax.tree.map(lambda a: a[keep], BATCH))
     (loss, info), grads = jax.jit(
         jaxaccum.value_and_grad(mse_loss, num_microbatches=k, skip_nonfinite=True)
@@ -314,7 +317,7 @@ def test_skip_nonfinite_equals_remaining_examples(k):
 
 
 def test_nan_propagates_without_skip():
-    bad = with_nan_in_microbatch(BATCH, 2, 8)
+    bad = with_nan_in_microbatch(BATCH, 2)
     loss, grads = jax.jit(jaxaccum.value_and_grad(mse_loss, num_microbatches=8))(PARAMS, bad)
     assert np.isnan(float(loss))
     assert all(bool(jnp.any(jnp.isnan(g))) for g in jax.tree.leaves(grads))
@@ -398,3 +401,89 @@ def test_empty_batch():
 def test_batch_without_leaves():
     with pytest.raises(ValueError, match=r"batch_argnums=\(1,\): the batch arguments hold no"):
         jaxaccum.value_and_grad(lambda p, b: jnp.sum(p), num_microbatches=1)(jnp.ones(2), ())
+
+
+# --- hardening: keyword arguments, weights, remat, accumulator width ---------------------------
+
+
+def test_keyword_arguments_are_passed_whole():
+    def loss(params, batch, *, scale, offset=0.0):
+        return scale * mse_loss(params, batch) + offset
+
+    expected = jax.value_and_grad(loss)(PARAMS, BATCH, scale=2.0, offset=jnp.asarray(0.5))
+    fn = jaxaccum.value_and_grad(loss, num_microbatches=4)
+    got = jax.jit(fn)(PARAMS, BATCH, scale=2.0, offset=jnp.asarray(0.5))
+    assert_trees_close(got, expected, 1e-6)
+
+
+def test_zero_weight_nan_microbatch_is_not_counted_as_skipped():
+    """An empty micro-batch (0/0 loss) contributes nothing; it is not a skipped one."""
+    mask = uneven_mask()  # the third strided micro-batch is empty: its loss is 0/0
+    (loss, info), grads = jax.jit(
+        jaxaccum.value_and_grad(masked_loss, num_microbatches=8, weighted=True, skip_nonfinite=True)
+    )(PARAMS, (*BATCH, mask))
+    assert int(info["skipped"]) == 0
+    expected = jax.value_and_grad(lambda p, b: masked_loss(p, b)[0])(PARAMS, (*BATCH, mask))
+    assert_trees_close((loss, grads), expected, 1e-6)
+
+
+def signed_loss(params, batch):
+    """A weighted loss whose weight is the batch's own (possibly negative) sum of ``w``."""
+    x, y, w = batch
+    per_example = jnp.mean((mlp_apply(params, x) - y) ** 2, axis=-1)
+    return jnp.mean(per_example), jnp.sum(w)
+
+
+def test_negative_weight_is_nan_not_silently_dropped():
+    w = jnp.ones(64).at[3].set(-10.0)  # strided micro-batch 3 of 8 has weight -3
+    fn = jaxaccum.value_and_grad(signed_loss, num_microbatches=8, weighted=True)
+    loss, grads = jax.jit(fn)(PARAMS, (*BATCH, w))
+    assert np.isnan(float(loss))
+    assert all(bool(jnp.all(jnp.isnan(g))) for g in jax.tree.leaves(grads))
+
+
+def test_negative_weight_is_skipped_and_counted_with_skip_nonfinite():
+    w = jnp.ones(64).at[3].set(-10.0)
+    fn = jaxaccum.value_and_grad(signed_loss, num_microbatches=8, weighted=True,
+                                 skip_nonfinite=True)
+    (loss, info), grads = jax.jit(fn)(PARAMS, (*BATCH, w))
+    assert int(info["skipped"]) == 1
+    keep = np.flatnonzero(np.arange(64) % 8 != 3)
+    expected = jax.value_and_grad(mse_loss)(PARAMS, jax.tree.map(lambda a: a[keep], BATCH))
+    assert_trees_close((loss, grads), expected, 1e-6)
+
+
+def test_finite_loss_with_infinite_gradient_is_skipped():
+    """Skipping must look at the gradient, not only the loss."""
+
+    def loss(w, x):
+        return 1e10 * jnp.mean(x * w)  # d/dw = 1e10 mean(x): inf when x ~ 3e38, loss ~ 3e18
+
+    x = jnp.ones(16).at[jnp.arange(16) % 4 == 1].set(3e38)  # strided micro-batch 1
+    w = jnp.asarray(1e-30)
+    fn = jaxaccum.value_and_grad(loss, num_microbatches=4, skip_nonfinite=True)
+    (value, info), grad = jax.jit(fn)(w, x)
+    assert np.isfinite(float(jax.jit(loss)(w, x[1::4])))  # that micro-batch's loss is finite
+    assert int(info["skipped"]) == 1
+    assert float(grad) == pytest.approx(1e10, rel=1e-6) and np.isfinite(float(value))
+
+
+@pytest.mark.parametrize("remat", [True, jax.checkpoint_policies.nothing_saveable])
+def test_remat_is_applied(remat):
+    fn = jaxaccum.value_and_grad(mse_loss, num_microbatches=4, remat=remat)
+    jaxpr = str(jax.make_jaxpr(fn)(PARAMS, BATCH))
+    assert "checkpoint" in jaxpr or "remat" in jaxpr
+    plain = str(jax.make_jaxpr(jaxaccum.value_and_grad(mse_loss, num_microbatches=4))(
+        PARAMS, BATCH))
+    assert "checkpoint" not in plain and "remat" not in plain
+
+
+def test_float64_leaves_accumulate_in_float64():
+    """accumulator_dtype=float32 never narrows a float64 leaf: a 1e-10 term is not lost."""
+    with jax.enable_x64(True):
+        x = jnp.asarray([1.0, 1e-10, 1e-10, 1e-10], jnp.float64)
+        w = jnp.asarray(0.5, jnp.float64)
+        fn = jaxaccum.value_and_grad(lambda w, x: jnp.mean(w * x), num_microbatches=4)
+        _, grad = jax.jit(fn)(w, x)
+        assert grad.dtype == jnp.float64
+        assert abs(float(grad) - (1.0 + 3e-10) / 4) < 1e-15

@@ -1,0 +1,338 @@
+"""The data axes: where the batch is split, where gradients are reduced (once per step).
+
+jaxaccum handles only the mesh's *data* axes; every other axis (tensor parallel ``model``, ...)
+stays with the partitioner, so a model's own collectives are untouched. Two mechanisms, chosen
+by the mesh's axis types (both measured in ``benchmarks/sharded.py``):
+
+- **Explicit axes** (``jax.make_mesh``'s default): sharding-in-types, as in JAX's "Autodiff and
+  sharding" page. Each differentiated leaf is cast to ``reduced`` over the data axes (free for a
+  leaf replicated over them; one all-gather per step for an FSDP leaf sharded over them), so
+  every micro-batch's gradient comes out ``unreduced``: per-device partial sums that the scan
+  adds without communication. After the scan one reshard to the leaf's own sharding performs
+  the step's only gradient reduction (an all-reduce, or a reduce-scatter for an FSDP leaf).
+  Models written for Explicit axes (``out_sharding=``) work unchanged.
+- **Auto axes**: a ``jax.shard_map`` that is manual over the data axes only
+  (``axis_names=``); each device scans its own share of the batch, and the sums are reduced
+  after the scan with one ``psum`` (``psum_scatter`` for FSDP leaves). Parameter shardings are
+  read from the arrays passed in (under your own ``jit`` an Auto-mode tracer carries none: the
+  leaf is then taken as replicated over the data axes, which is correct but gathers FSDP
+  leaves; :func:`jaxaccum.train_step` reads the shardings before it traces).
+
+``fsdp="step"`` (default) gathers each data-sharded parameter once per step (transient full
+parameter and gradient per device); ``fsdp="microbatch"`` gathers it inside each micro-batch
+and reduce-scatters each micro-batch's gradient into a sharded accumulator (ZeRO-3: less
+memory, k times the traffic).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxaccum import _accumulate, _reductions, _validation
+
+FSDP_MODES = ("step", "microbatch")
+
+
+def data_axes(
+    mesh: jax.sharding.Mesh | None, data_axis: str | tuple[str, ...] | None
+) -> tuple[str, ...] | None:
+    """Checks the data-parallel arguments; returns the data axes as a tuple (None: no mesh)."""
+    if mesh is None:
+        if data_axis is not None:
+            raise ValueError(f"data_axis={data_axis!r} was given without a mesh")
+        return None
+    if not isinstance(mesh, jax.sharding.Mesh):
+        raise TypeError(f"mesh must be a jax.sharding.Mesh; got {type(mesh).__name__}")
+    if data_axis is None:
+        if len(mesh.axis_names) != 1:
+            raise ValueError(
+                f"data_axis must name the batch axis of a mesh with several axes; mesh axes are "
+                f"{mesh.axis_names}"
+            )
+        return tuple(mesh.axis_names)
+    axes = (data_axis,) if isinstance(data_axis, str) else tuple(data_axis)
+    missing = [a for a in axes if a not in mesh.axis_names]
+    if missing or not axes:
+        raise ValueError(
+            f"data_axis={data_axis!r} is not an axis of the mesh; mesh axes are {mesh.axis_names}"
+        )
+    return axes
+
+
+def _names(entry: Any) -> tuple[str, ...]:
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _entry(names: tuple[str, ...]) -> Any:
+    return None if not names else names[0] if len(names) == 1 else names
+
+
+def padded(spec: P, ndim: int) -> list[Any]:
+    """The spec's entries, one per array dimension."""
+    return list(spec)[:ndim] + [None] * max(0, ndim - len(spec))
+
+
+@dataclasses.dataclass(frozen=True)
+class DataParallel:
+    """A mesh and its data axes: how the batch is split and the gradients reduced.
+
+    Attributes:
+      mesh: the device mesh.
+      axes: the data axes (the batch's leading axis is split over them, in this order).
+      fsdp: ``"step"`` or ``"microbatch"``: when data-sharded parameters are gathered.
+      hints: the shardings of the arguments as read before tracing (one tree per positional
+        argument; a leaf is a ``NamedSharding`` or None), for Auto-axis meshes whose tracers
+        carry none. Set by :class:`jaxaccum._train_step.TrainStep`.
+    """
+
+    mesh: jax.sharding.Mesh
+    axes: tuple[str, ...]
+    fsdp: str = "step"
+    hints: Any = None
+
+    @property
+    def devices(self) -> int:
+        return math.prod(self.mesh.shape[a] for a in self.axes)
+
+    @property
+    def explicit(self) -> bool:
+        types = dict(zip(self.mesh.axis_names, self.mesh.axis_types, strict=True))
+        return all(types[a] == jax.sharding.AxisType.Explicit for a in self.axes)
+
+    # --- specs ------------------------------------------------------------------------------
+
+    def spec_of(self, x: Any, hint: Any = None) -> P:
+        """The leaf's PartitionSpec on this mesh, if it carries one (or a hint); else P()."""
+        sharding = hint
+        if sharding is None and isinstance(x, jax.core.Tracer):
+            sharding = getattr(jax.typeof(x), "sharding", None)
+        elif sharding is None:
+            sharding = getattr(x, "sharding", None)
+        if isinstance(sharding, NamedSharding) and sharding.mesh.shape == self.mesh.shape:
+            return sharding.spec
+        return P()
+
+    def argument_specs(self, i: int, arg: Any) -> Any:
+        """The data part of every leaf's spec in positional argument ``i`` (a spec tree)."""
+        hints = None if self.hints is None else self.hints[i]
+        if hints is None:
+            return jax.tree.map(lambda x: self.data_part(self.spec_of(x), jnp.ndim(x)), arg)
+        return jax.tree.map(
+            lambda h, x: self.data_part(self.spec_of(x, h), jnp.ndim(x)),
+            hints,
+            arg,
+            is_leaf=lambda h: h is None or isinstance(h, NamedSharding),
+        )
+
+    def without_data(self, spec: P, ndim: int) -> P:
+        """``spec`` with the data axes removed (what a gathered leaf is sharded over)."""
+        return P(*(_entry(tuple(n for n in _names(e) if n not in self.axes))
+                   for e in padded(spec, ndim)))
+
+    def data_part(self, spec: P, ndim: int) -> P:
+        """Only the data axes of ``spec`` (a partial-manual ``shard_map`` in_spec)."""
+        return P(*(_entry(tuple(n for n in _names(e) if n in self.axes))
+                   for e in padded(spec, ndim)))
+
+    def sharded_over_data(self, spec: P, ndim: int) -> bool:
+        return any(n in self.axes for e in padded(spec, ndim) for n in _names(e))
+
+    def batch_spec(self, ndim: int) -> P:
+        return P(_entry(self.axes), *([None] * (ndim - 1)))
+
+    # --- the pipeline -----------------------------------------------------------------------
+
+    def accumulate(
+        self,
+        cfg: _accumulate.Config,
+        args: tuple[Any, ...],
+        batch_size: int,
+        num_microbatches: int | None,
+        microbatch_size: int | None,
+    ) -> _accumulate.Accumulated:
+        if batch_size % self.devices:
+            raise ValueError(
+                f"the batch size {batch_size} is not divisible by the {self.devices} devices of "
+                f"mesh axis data_axis={self.axes if len(self.axes) > 1 else self.axes[0]!r}"
+            )
+        local = batch_size // self.devices
+        k = _validation.resolve_num_microbatches(local, num_microbatches, microbatch_size)
+        if self.explicit:
+            return self._explicit(cfg, args, k)
+        return self._auto(cfg, args, k)
+
+    # Explicit axes: reduced parameters, unreduced gradients, one reshard after the scan.
+    def _explicit(
+        self, cfg: _accumulate.Config, args: tuple[Any, ...], k: int
+    ) -> _accumulate.Accumulated:
+        args = tuple(
+            jax.tree.map(lambda x: jax.reshard(jnp.asarray(x), self.batch_spec(jnp.ndim(x))), a)
+            if i in cfg.split_argnums
+            else a
+            for i, a in enumerate(args)
+        )
+        diff = cfg.differentiated(args)
+        specs = jax.tree.map(lambda x: self.spec_of(x), diff)
+        unreduced = not cfg.skip_nonfinite  # a finiteness test is not linear: reduce per step
+
+        def cast(x: Any, spec: P) -> Any:
+            x = jnp.asarray(x)
+            if unreduced:
+                return jax.reshard(x, P(*self.without_data(spec, x.ndim), reduced=set(self.axes)))
+            return jax.reshard(x, self.without_data(spec, x.ndim))
+
+        per_microbatch = jax.tree.map(
+            lambda x, s: self.fsdp == "microbatch" and self.sharded_over_data(s, jnp.ndim(x)),
+            diff,
+            specs,
+        )
+        outside = jax.tree.map(lambda x, s, m: x if m else cast(x, s), diff, specs, per_microbatch)
+        inner_cfg = cfg
+        if any(jax.tree.leaves(per_microbatch)):
+            inner_cfg = _gather_inside(cfg, lambda tree: jax.tree.map(
+                lambda x, s, m: cast(x, s) if m else x, tree, specs, per_microbatch))
+        args = _replace_differentiated(cfg, args, outside)
+        batches = _accumulate.split_microbatches(cfg, args, k)
+        batches = jax.tree.map(
+            lambda x: jax.reshard(x, P(None, *self.batch_spec(x.ndim - 1))), batches
+        )
+        loss = _accumulate.check_output(cfg, args, batches)
+
+        def zeros(x: Any, spec: P, m: bool) -> jax.Array:
+            dtype = _reductions.accumulator_dtype_for(x.dtype, cfg.accumulator_dtype)
+            z = jnp.zeros(x.shape, dtype)
+            if m:
+                return jax.reshard(z, spec)
+            if unreduced:
+                return jax.reshard(z, P(*self.without_data(spec, x.ndim), unreduced=set(self.axes)))
+            return jax.reshard(z, self.without_data(spec, x.ndim))
+
+        sums = _accumulate.zero_sums(cfg, args, loss)._replace(
+            grads=jax.tree.map(zeros, diff, specs, per_microbatch)
+        )
+        sums, aux, _ = _accumulate.scan_microbatches(inner_cfg, args, k, sums, batches=batches)
+        grads = jax.tree.map(lambda g, s: jax.reshard(g, s), sums.grads, specs)  # the reduction
+        sums = sums._replace(grads=grads)
+        original = _replace_differentiated(cfg, args, diff)
+        mean_loss, grads = _accumulate.finalize(cfg, sums, original, loss)
+        return _accumulate.Accumulated(mean_loss, grads, aux, sums.weight, sums.skipped, k)
+
+    # Auto axes: shard_map manual over the data axes only; one psum (or psum_scatter) after.
+    def _auto(
+        self, cfg: _accumulate.Config, args: tuple[Any, ...], k: int
+    ) -> _accumulate.Accumulated:
+        args = tuple(jax.tree.map(jnp.asarray, a) for a in args)
+        in_specs = tuple(
+            jax.tree.map(lambda x: self.batch_spec(x.ndim), a)
+            if i in cfg.split_argnums
+            else self.argument_specs(i, a)
+            for i, a in enumerate(args)
+        )
+        diff_specs = cfg.differentiated(in_specs)
+        gathered = jax.tree.map(lambda s: any(e is not None for e in s), diff_specs,
+                                is_leaf=lambda s: isinstance(s, P))
+
+        def gather(x: jax.Array, spec: P) -> jax.Array:
+            for dim, entry in enumerate(spec):
+                if entry is not None:
+                    x = jax.lax.all_gather(x, entry, axis=dim, tiled=True)
+            return x
+
+        def scatter(g: jax.Array, spec: P) -> jax.Array:
+            for dim, entry in enumerate(spec):
+                if entry is not None:
+                    g = jax.lax.psum_scatter(g, entry, scatter_dimension=dim, tiled=True)
+            rest = tuple(a for a in self.axes if all(a not in _names(e) for e in spec))
+            return jax.lax.psum(g, rest) if rest else g
+
+        def gather_tree(tree: Any, spec_tree: Any) -> Any:
+            return jax.tree.map(gather, tree, spec_tree, is_leaf=lambda s: isinstance(s, P))
+
+        per_microbatch = self.fsdp == "microbatch"
+
+        def local(*local_args: Any) -> tuple[Any, ...]:
+            local_args = tuple(
+                a if i in cfg.split_argnums or i in cfg.diff_argnums
+                else gather_tree(a, in_specs[i])
+                for i, a in enumerate(local_args)
+            )
+            inner_cfg = cfg
+            if per_microbatch:  # gathered inside fun: autodiff reduce-scatters per micro-batch
+                inner_cfg = _gather_inside(cfg, lambda tree: jax.tree.map(
+                    gather, tree, diff_specs, is_leaf=lambda s: isinstance(s, P)))
+            else:
+                local_args = _replace_differentiated(
+                    cfg, local_args, jax.tree.map(
+                        gather, cfg.differentiated(local_args), diff_specs,
+                        is_leaf=lambda s: isinstance(s, P)))
+            sums, aux, loss = _accumulate.scan_microbatches(inner_cfg, local_args, k)
+            if per_microbatch:
+                rest = jax.tree.map(
+                    lambda g, s: jax.lax.psum(g, tuple(
+                        a for a in self.axes if all(a not in _names(e) for e in s))) if tuple(
+                        a for a in self.axes if all(a not in _names(e) for e in s)) else g,
+                    sums.grads, diff_specs, is_leaf=lambda s: isinstance(s, P))
+                grads = rest
+            else:
+                grads = jax.tree.map(scatter, sums.grads, diff_specs,
+                                     is_leaf=lambda s: isinstance(s, P))
+            totals = jax.lax.psum((sums.loss, sums.weight, sums.skipped), self.axes)
+            sums = _accumulate.Sums(totals[0], grads, totals[1], totals[2])
+            mean_loss, grads = _accumulate.finalize(cfg, sums, local_args, loss)
+            return mean_loss, grads, aux, sums.weight, sums.skipped
+
+        del gathered
+        out = jax.shard_map(
+            local,
+            mesh=self.mesh,
+            in_specs=in_specs,
+            out_specs=(P(), diff_specs, P(_entry(self.axes)), P(), P()),
+            axis_names=set(self.axes),
+            check_vma=False,
+        )(*args)
+        return _accumulate.Accumulated(*out, k * self.devices)
+
+
+def _replace_differentiated(cfg: _accumulate.Config, args: tuple[Any, ...], new: Any) -> tuple:
+    """``args`` with the differentiated arguments replaced by ``new`` (as ``differentiated``)."""
+    replaced = list(args)
+    if isinstance(cfg.argnums, int):
+        replaced[cfg.argnums] = new
+    else:
+        for i, value in zip(cfg.diff_argnums, new, strict=True):
+            replaced[i] = value
+    return tuple(replaced)
+
+
+def _gather_inside(cfg: _accumulate.Config, gather: Any) -> _accumulate.Config:
+    """A config whose ``fun`` gathers the differentiated arguments itself (per micro-batch)."""
+    fun = cfg.fun
+
+    def gathered_fun(*args: Any) -> Any:
+        return fun(*_replace_differentiated(cfg, args, gather(cfg.differentiated(args))))
+
+    return dataclasses.replace(cfg, fun=gathered_fun)
+
+
+def data_parallel(
+    mesh: jax.sharding.Mesh | None,
+    data_axis: str | tuple[str, ...] | None,
+    fsdp: str = "step",
+) -> DataParallel | None:
+    """The :class:`DataParallel` for ``mesh`` and ``data_axis``, or None without a mesh."""
+    if fsdp not in FSDP_MODES:
+        raise ValueError(f"fsdp must be one of {FSDP_MODES}; got fsdp={fsdp!r}")
+    axes = data_axes(mesh, data_axis)
+    if axes is None:
+        return None
+    assert mesh is not None
+    return DataParallel(mesh, axes, fsdp)
