@@ -1,4 +1,9 @@
-"""``multi_steps``: an optax transform that accumulates one micro-batch per call."""
+"""``multi_steps``: an optax transform that accumulates one micro-batch per call.
+
+A drop-in for ``optax.MultiSteps`` (same state field names, same keyword arguments, a
+``has_updated`` method) that runs the inner optimizer only on emitting calls and takes weights.
+The rules for weights and skipped micro-batches are those of :mod:`jaxaccum._reductions`.
+"""
 
 from __future__ import annotations
 
@@ -12,175 +17,43 @@ from jax.typing import ArrayLike, DTypeLike
 
 from jaxaccum import _reductions, _validation
 
+ShouldSkipUpdateFn = Callable[[optax.Updates, jax.Array, "optax.Params | None"], tuple[Any, Any]]
+
 
 class MultiStepsState(NamedTuple):
-    """State of :func:`multi_steps`.
+    """State of :func:`multi_steps`; the first five fields are those of ``optax.MultiStepsState``.
 
     Attributes:
-      micro_step: int32 scalar, how many micro-batches the current window holds so far.
-      gradient_step: int32 scalar, how many optimizer steps (emitting calls) have been made.
+      mini_step: int32 scalar, how many micro-batches the current window holds so far.
+      gradient_step: int32 scalar, how many optimizer steps (inner updates) have been made.
+      inner_opt_state: the inner optimizer's state; it changes only on calls that make an
+        optimizer step, and keeps the dtypes ``inner.init`` gave it.
       acc_grads: the weighted sum of the window's gradients, in the accumulator dtype.
+      skip_state: what ``should_skip_update_fn`` returned last as its second output (``()``
+        without one), as in ``optax.MultiSteps``.
       acc_weight: float32 scalar, the sum of the window's weights.
-      inner_state: the inner optimizer's state; it changes only on emitting calls.
-      skipped: int32 scalar, how many micro-batches were left out as non-finite so far
-        (only with ``skip_nonfinite=True``).
+      skipped: int32 scalar, how many micro-batches were left out so far: non-finite ones
+        (with ``skip_nonfinite=True``) and those ``should_skip_update_fn`` rejected.
+      emitted: bool scalar, whether the last call made an optimizer step; what
+        :func:`has_updated` returns.
     """
 
-    micro_step: jax.Array
+    mini_step: jax.Array
     gradient_step: jax.Array
+    inner_opt_state: optax.OptState
     acc_grads: optax.Updates
+    skip_state: Any
     acc_weight: jax.Array
-    inner_state: optax.OptState
     skipped: jax.Array
-
-
-def multi_steps(
-    inner: optax.GradientTransformation,
-    every_k: int | Callable[[jax.Array], ArrayLike],
-    *,
-    accumulator_dtype: DTypeLike | None = jnp.float32,
-    skip_nonfinite: bool = False,
-) -> optax.GradientTransformationExtraArgs:
-    """Accumulates ``every_k`` micro-batch gradients, then applies ``inner`` once to their mean.
-
-    For training loops that feed one micro-batch per call. The first ``k - 1`` calls of a
-    window return zero updates; the k-th returns ``inner``'s update of the (weighted) mean
-    gradient. Unlike ``optax.MultiSteps``, ``inner.update`` is placed in the emitting branch of
-    a ``jax.lax.cond`` and is therefore executed only on emitting calls (under ``jax.jit`` on
-    CPU, GPU and TPU; under ``jax.vmap`` a ``cond`` becomes a select and both branches run),
-    its step counters and schedules advance once per optimizer step, and micro-batches can be
-    weighted by their number of valid items.
-
-    ``update(grads, state, params=None, *, weight=None, **extra_args)``: ``grads`` must be the
-    mean over the micro-batch's (valid) items and ``weight`` their count (default 1). The
-    emitted mean is ``sum(w_i * g_i) / sum(w_i)``; a micro-batch with weight 0 contributes
-    nothing, and a window whose weights are all 0 feeds a zero gradient to ``inner``.
-    ``extra_args`` are passed on to ``inner``.
-
-    Args:
-      inner: the optimizer to apply every k-th call (any optax transform or chain).
-      every_k: k, an int >= 1, or a function of the int32 gradient step returning k (values
-        below 1 count as 1).
-      accumulator_dtype: the dtype of the accumulated gradient (never narrower than a
-        gradient leaf); ``None`` keeps each gradient leaf's dtype. The emitted mean is cast
-        back to the gradient's dtype.
-      skip_nonfinite: leave out a micro-batch whose gradient holds a NaN or an infinity (it
-        still counts as a call of the window) and renormalise: the emitted mean is over the
-        window's finite micro-batches. A window with none is skipped whole: zero updates, the
-        inner state and ``gradient_step`` unchanged. ``state.skipped`` counts them. Without
-        it a NaN propagates into the update.
-
-    Returns:
-      An ``optax.GradientTransformationExtraArgs`` with state :class:`MultiStepsState`.
-
-    Raises:
-      TypeError: if ``inner`` is not an optax transform or ``every_k`` not an int or callable.
-      ValueError: if ``every_k`` < 1, or ``weight`` is not a scalar.
-
-    Example:
-      >>> import jax.numpy as jnp, optax, jaxaccum
-      >>> opt = jaxaccum.multi_steps(optax.sgd(0.1), every_k=2)
-      >>> params = jnp.zeros(2)
-      >>> state = opt.init(params)
-      >>> u1, state = opt.update(jnp.array([1.0, 2.0]), state, params)
-      >>> u2, state = opt.update(jnp.array([3.0, 4.0]), state, params)
-      >>> print(u1, u2, bool(jaxaccum.has_updated(state)))
-      [0. 0.] [-0.2 -0.3] True
-
-    References:
-      ``optax.MultiSteps``; Ott et al., "Scaling Neural Machine Translation", 2018
-      (https://arxiv.org/abs/1806.00187).
-    """
-    if not isinstance(inner, optax.GradientTransformation):
-        raise TypeError(
-            f"inner must be an optax.GradientTransformation; got {type(inner).__name__}"
-        )
-    if callable(every_k):
-        schedule: Callable[[jax.Array], ArrayLike] = every_k
-    else:
-        k = _validation.positive_int(every_k, "every_k")
-        schedule = lambda step: k  # noqa: E731
-    inner_ex = optax.with_extra_args_support(inner)
-
-    def init_fn(params: optax.Params) -> MultiStepsState:
-        return MultiStepsState(
-            micro_step=jnp.zeros((), jnp.int32),
-            gradient_step=jnp.zeros((), jnp.int32),
-            acc_grads=_reductions.zeros_accumulator(params, accumulator_dtype),
-            acc_weight=jnp.zeros((), jnp.float32),
-            inner_state=inner_ex.init(params),
-            skipped=jnp.zeros((), jnp.int32),
-        )
-
-    def update_fn(
-        updates: optax.Updates,
-        state: MultiStepsState,
-        params: optax.Params | None = None,
-        *,
-        weight: ArrayLike | None = None,
-        **extra_args: Any,
-    ) -> tuple[optax.Updates, MultiStepsState]:
-        _validation.floating_leaves(
-            updates, "updates", "multi_steps averages gradients and needs floating leaves"
-        )
-        skipped = state.skipped
-        if weight is None and not skip_nonfinite:
-            w = None
-            acc_weight = state.acc_weight + 1
-        else:
-            if weight is None:
-                w = jnp.ones((), jnp.float32)
-            else:
-                _validation.scalar(jnp.asarray(weight), "weight", floating=False)
-                w = jnp.asarray(weight, jnp.float32)
-            if skip_nonfinite:
-                finite = _reductions.all_finite(updates)
-                w = jnp.where(finite, w, 0.0)
-                skipped = skipped + jnp.logical_not(finite).astype(jnp.int32)
-            acc_weight = state.acc_weight + w
-
-        def add(acc: jax.Array, g: jax.Array) -> jax.Array:
-            if w is None:
-                return (acc + g).astype(acc.dtype)
-            return _reductions.weighted_add(acc, g, w)
-
-        k = jnp.maximum(jnp.asarray(schedule(state.gradient_step), jnp.int32), 1)
-        emit = state.micro_step + 1 >= k
-
-        acc_grads = jax.tree.map(add, state.acc_grads, updates)
-
-        # Only the inner update sits in the cond, so only it is skipped on accumulating calls.
-        def emit_branch(operands: Any) -> tuple[optax.Updates, optax.OptState]:
-            total, inner_state = operands
-            mean = _reductions.cast_like(_reductions.safe_divide(total, acc_weight), updates)
-            return inner_ex.update(mean, inner_state, params, **extra_args)
-
-        def accumulate_branch(operands: Any) -> tuple[optax.Updates, optax.OptState]:
-            inner_state = operands[1]
-            shapes, _ = jax.eval_shape(
-                lambda: inner_ex.update(updates, inner_state, params, **extra_args)
-            )
-            return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes), inner_state
-
-        # With skip_nonfinite, a window without one finite micro-batch makes no step.
-        step = jnp.logical_and(emit, acc_weight > 0) if skip_nonfinite else emit
-        new_updates, inner_state = jax.lax.cond(
-            step, emit_branch, accumulate_branch, (acc_grads, state.inner_state)
-        )
-        return new_updates, MultiStepsState(
-            micro_step=jnp.where(emit, 0, state.micro_step + 1).astype(jnp.int32),
-            gradient_step=(state.gradient_step + step).astype(jnp.int32),
-            acc_grads=jax.tree.map(lambda a: jnp.where(emit, jnp.zeros_like(a), a), acc_grads),
-            acc_weight=jnp.where(emit, 0.0, acc_weight).astype(jnp.float32),
-            inner_state=inner_state,
-            skipped=skipped,
-        )
-
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    emitted: jax.Array
 
 
 def has_updated(state: MultiStepsState) -> jax.Array:
-    """Whether the last :func:`multi_steps` update emitted (applied the inner optimizer).
+    """Whether the last :func:`multi_steps` update made an optimizer step.
+
+    True only after a call that ended a window *and* applied the inner optimizer: False on
+    accumulating calls, after a window that was skipped whole (every micro-batch weight 0 or
+    non-finite), and after a call rejected by ``should_skip_update_fn``.
 
     Args:
       state: a :class:`MultiStepsState`, as returned by the last update.
@@ -195,9 +68,290 @@ def has_updated(state: MultiStepsState) -> jax.Array:
       >>> import jax.numpy as jnp, optax, jaxaccum
       >>> opt = jaxaccum.multi_steps(optax.sgd(1.0), every_k=3)
       >>> state = opt.init(jnp.zeros(1))
-      >>> bool(jaxaccum.has_updated(state))
-      False
+      >>> bool(jaxaccum.has_updated(state)), bool(opt.has_updated(state))
+      (False, False)
     """
     if not isinstance(state, MultiStepsState):
         raise TypeError(f"state must be a MultiStepsState; got {type(state).__name__}")
-    return jnp.logical_and(state.micro_step == 0, state.gradient_step > 0)
+    return state.emitted
+
+
+class MultiStepsTransformation(optax.GradientTransformationExtraArgs):
+    """What :func:`multi_steps` returns: an ``optax.GradientTransformationExtraArgs``.
+
+    The ``(init, update)`` pair optax expects, plus ``optax.MultiSteps``' two helpers, so code
+    written for ``optax.MultiSteps`` runs unchanged: ``has_updated(state)`` and
+    ``gradient_transformation()`` (which returns the object itself).
+    """
+
+    __slots__ = ()
+
+    has_updated = staticmethod(has_updated)
+
+    def gradient_transformation(self) -> MultiStepsTransformation:
+        """This transformation itself (``optax.MultiSteps`` needs the conversion; we do not)."""
+        return self
+
+
+def _every_k_schedule(every_k: Any, every_k_schedule: Any) -> Callable[[jax.Array], ArrayLike]:
+    """The k schedule from ``every_k`` or its optax-named alias ``every_k_schedule``."""
+    if every_k is not None and every_k_schedule is not None:
+        raise ValueError(
+            "give every_k or its alias every_k_schedule, not both; got "
+            f"every_k={every_k!r}, every_k_schedule={every_k_schedule!r}"
+        )
+    if every_k is None and every_k_schedule is None:
+        raise TypeError("multi_steps needs every_k (or its alias every_k_schedule); got neither")
+    if every_k is not None:
+        name, value = "every_k", every_k
+    else:
+        name, value = "every_k_schedule", every_k_schedule
+    if callable(value):
+        return value  # type: ignore[no-any-return]
+    k = _validation.positive_int(value, name)
+    return lambda step: k
+
+
+def _check_bool(value: Any, name: str) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool; got {value!r} of type {type(value).__name__}")
+
+
+def _keep_dtypes(new: Any, old: Any) -> Any:
+    """``new`` with each leaf cast to the dtype of the matching leaf of ``old`` where it differs."""
+
+    def cast(n: Any, o: Any) -> Any:
+        dtype = _reductions.leaf_dtype(o)
+        return n if _reductions.leaf_dtype(n) == dtype else jnp.asarray(n).astype(dtype)
+
+    return jax.tree.map(cast, new, old)
+
+
+def multi_steps(
+    inner: optax.GradientTransformation,
+    every_k: int | Callable[[jax.Array], ArrayLike] | None = None,
+    *,
+    every_k_schedule: int | Callable[[jax.Array], ArrayLike] | None = None,
+    use_grad_mean: bool = True,
+    should_skip_update_fn: ShouldSkipUpdateFn | None = None,
+    accumulator_dtype: DTypeLike | None = jnp.float32,
+    skip_nonfinite: bool = False,
+) -> MultiStepsTransformation:
+    """Accumulates ``every_k`` micro-batch gradients, then applies ``inner`` once to their mean.
+
+    For training loops that feed one micro-batch per call. The first ``k - 1`` calls of a
+    window return zero updates; the k-th returns ``inner``'s update of the (weighted) mean
+    gradient. ``inner.update`` sits in the emitting branch of a ``jax.lax.cond`` and so runs
+    only on emitting calls (under ``jax.jit`` on CPU, GPU and TPU; under ``jax.vmap`` a ``cond``
+    becomes a select and both branches run).
+
+    ``update(grads, state, params=None, *, weight=None, **extra_args)``: ``grads`` is the mean
+    over the micro-batch's (valid) items and ``weight`` their count (default 1); ``extra_args``
+    go to ``inner`` on the emitting call. The emitted gradient is ``sum(w_i * g_i) / sum(w_i)``
+    (``sum(w_i * g_i)`` with ``use_grad_mean=False``), cast back to the gradient's dtype. The
+    rules of :mod:`jaxaccum._reductions` hold: a weight-0 micro-batch adds nothing (not even a
+    NaN); a window of total weight 0 makes no step (zero updates, ``inner_opt_state`` and
+    ``gradient_step`` unchanged, ``has_updated`` False); a negative ``weight`` raises a
+    ``ValueError`` when it is concrete, and when traced makes the emitted update NaN (with
+    ``skip_nonfinite`` the micro-batch is left out and counted instead).
+
+    Replacing ``optax.MultiSteps(opt, every_k_schedule=k, ...)`` by
+    ``jaxaccum.multi_steps(opt, every_k_schedule=k, ...)`` is the whole migration: the state
+    fields ``mini_step``, ``gradient_step``, ``inner_opt_state``, ``acc_grads`` and
+    ``skip_state`` mean what they mean in optax, the keywords are optax's, and the result has
+    ``has_updated(state)`` and ``gradient_transformation()``. Differences, each deliberate:
+
+    - ``inner.update`` runs only on emitting calls (optax runs it on every call and keeps the
+      result with ``jnp.where``): k times less optimizer work.
+    - ``weight``: the exact mean over valid items however unevenly they fall into micro-batches
+      (optax has no weights: a mean of micro-batch means).
+    - The mean is the float32 sum divided once by the total weight, the full batch's order of
+      operations; optax keeps a running mean (``acc + (g - acc) / (n + 1)``), which rounds at
+      every call. Both are exact up to float32 rounding.
+    - A window of total weight 0 makes no step; optax feeds a zero gradient to the inner
+      optimizer, which advances Adam's count and decays its moments.
+    - ``has_updated`` says whether the last call made a step; optax's
+      ``mini_step == 0 and gradient_step > 0`` is also True after a call that
+      ``should_skip_update_fn`` rejected, or a window skipped whole, following a step.
+    - ``skip_nonfinite=True`` (ours) keeps the call in the window and renormalises over its
+      finite micro-batches, so windows stay aligned with the data; ``should_skip_update_fn``
+      (optax's) drops the call as if it never happened, lengthening the window.
+    - The accumulator is never narrower than a parameter leaf (optax casts to
+      ``accumulator_dtype`` even if narrower); ``every_k`` values below 1 count as 1.
+    - No ``inner_opt`` attribute; the optax keywords are keyword-only.
+
+    As in optax, the inner optimizer's step count (and so its schedules) advance once per
+    optimizer step, and its state keeps the dtypes ``inner.init`` gave it (an update that would
+    change them, as Adam's with bfloat16 parameters and float32 gradients, is cast back): the
+    state pytree never changes type, so a jitted step compiles once and ``opt.init(params)`` is
+    an exact checkpoint-restore template. Pass ``mu_dtype=jnp.float32`` to Adam for float32
+    moments with low-precision parameters.
+
+    Args:
+      inner: the optimizer to apply every k-th call (any optax transform or chain).
+      every_k: k, an int >= 1, or a function of the int32 gradient step returning k (values
+        below 1 count as 1).
+      every_k_schedule: optax's name for ``every_k``; give one of the two.
+      use_grad_mean: emit the weighted mean (default) or, if False, the weighted sum
+        ``sum(w_i * g_i)`` (optax's sum when every weight is 1).
+      should_skip_update_fn: optax's hook, e.g. ``optax.skip_not_finite`` or
+        ``functools.partial(optax.skip_large_updates, max_squared_norm=...)``: a function
+        ``(grads, gradient_step, params) -> (should_skip, skip_state)`` with ``should_skip`` a
+        boolean scalar. A rejected micro-batch changes nothing but ``skip_state`` and
+        ``skipped``: it is not accumulated and does not count as a call of the window.
+      accumulator_dtype: the dtype of the accumulated gradient (never narrower than a
+        parameter leaf); ``None`` keeps each parameter leaf's dtype.
+      skip_nonfinite: leave out a micro-batch whose gradient holds a NaN or an infinity (it
+        still counts as a call of the window) and renormalise: the emitted mean is over the
+        window's finite micro-batches. A window with none makes no step. ``state.skipped``
+        counts them. Without it (and without ``should_skip_update_fn``) a NaN propagates into
+        the update.
+
+    Returns:
+      A :class:`MultiStepsTransformation` (an ``optax.GradientTransformationExtraArgs``) with
+      state :class:`MultiStepsState`.
+
+    Raises:
+      TypeError: if ``inner`` is not an optax transform, ``every_k`` is not an int or callable
+        (or neither it nor ``every_k_schedule`` is given), a flag is not a bool, or
+        ``should_skip_update_fn`` is not callable; at update, for non-floating gradients.
+      ValueError: if ``every_k`` < 1 or both spellings are given; at update, if ``weight`` is
+        not a scalar, or is concrete and negative or non-finite, or ``should_skip_update_fn``
+        does not return a boolean scalar.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, jaxaccum
+      >>> opt = jaxaccum.multi_steps(optax.sgd(0.1), every_k_schedule=2)
+      >>> params = jnp.zeros(2)
+      >>> state = opt.init(params)
+      >>> u1, state = opt.update(jnp.array([1.0, 2.0]), state, params, weight=1)
+      >>> u2, state = opt.update(jnp.array([5.0, 6.0]), state, params, weight=3)
+      >>> print(u1, u2, bool(opt.has_updated(state)))
+      [0. 0.] [-0.4 -0.5] True
+
+    References:
+      ``optax.MultiSteps``; Ott et al., "Scaling Neural Machine Translation", 2018
+      (https://arxiv.org/abs/1806.00187).
+    """
+    if not isinstance(inner, optax.GradientTransformation):
+        raise TypeError(
+            f"inner must be an optax.GradientTransformation; got {type(inner).__name__}"
+        )
+    schedule = _every_k_schedule(every_k, every_k_schedule)
+    _check_bool(use_grad_mean, "use_grad_mean")
+    _check_bool(skip_nonfinite, "skip_nonfinite")
+    if should_skip_update_fn is not None and not callable(should_skip_update_fn):
+        raise TypeError(
+            "should_skip_update_fn must be a function (updates, gradient_step, params) -> "
+            f"(should_skip, skip_state); got {type(should_skip_update_fn).__name__}"
+        )
+    inner_ex = optax.with_extra_args_support(inner)
+
+    def init_fn(params: optax.Params) -> MultiStepsState:
+        gradient_step = jnp.zeros((), jnp.int32)
+        skip_state: Any = ()
+        if should_skip_update_fn is not None:
+            _, skip_state = should_skip_update_fn(
+                optax.tree.zeros_like(params), gradient_step, params
+            )
+        return MultiStepsState(
+            mini_step=jnp.zeros((), jnp.int32),
+            gradient_step=gradient_step,
+            inner_opt_state=inner_ex.init(params),
+            acc_grads=_reductions.zeros_accumulator(params, accumulator_dtype),
+            skip_state=skip_state,
+            acc_weight=jnp.zeros((), jnp.float32),
+            skipped=jnp.zeros((), jnp.int32),
+            emitted=jnp.zeros((), jnp.bool_),
+        )
+
+    def update_fn(
+        updates: optax.Updates,
+        state: MultiStepsState,
+        params: optax.Params | None = None,
+        *,
+        weight: ArrayLike | None = None,
+        **extra_args: Any,
+    ) -> tuple[optax.Updates, MultiStepsState]:
+        _validation.floating_leaves(
+            updates, "updates", "multi_steps averages gradients and needs floating leaves"
+        )
+        if weight is not None:
+            _validation.scalar(jnp.asarray(weight), "weight", floating=False)
+            _reductions.check_weight(weight, "weight")
+
+        # keep: the micro-batch enters the window (should_skip_update_fn did not reject it).
+        keep: jax.Array | None = None
+        skip_state = state.skip_state
+        left_out = jnp.zeros((), jnp.bool_)
+        if should_skip_update_fn is not None:
+            should_skip, skip_state = should_skip_update_fn(updates, state.gradient_step, params)
+            should_skip = jnp.asarray(should_skip)
+            if (should_skip.dtype, should_skip.shape) != (jnp.bool_, ()):
+                raise ValueError(
+                    "should_skip_update_fn must return a boolean scalar first; got dtype "
+                    f"{should_skip.dtype} and shape {should_skip.shape}"
+                )
+            keep = jnp.logical_not(should_skip)
+            left_out = should_skip
+
+        w: jax.Array | None = None
+        if weight is None and not skip_nonfinite:
+            acc_weight = state.acc_weight + 1  # every weight 1: plain sums, no NaN to guard
+        else:
+            w = jnp.ones((), jnp.float32) if weight is None else jnp.asarray(weight, jnp.float32)
+            if skip_nonfinite:
+                w, bad = _reductions.skip_if_nonfinite(w, _reductions.all_finite(updates))
+                left_out = jnp.logical_or(left_out, bad)
+            acc_weight = _reductions.add_weight(state.acc_weight, w)
+
+        def add(acc: jax.Array, g: ArrayLike) -> jax.Array:
+            if w is None:
+                return (acc + g).astype(acc.dtype)
+            return _reductions.weighted_add(acc, g, w)
+
+        acc_grads = jax.tree.map(add, state.acc_grads, updates)
+        mini_step = state.mini_step + 1
+        if keep is not None:  # a rejected micro-batch leaves the window as it was
+            acc_grads = jax.tree.map(
+                lambda new, old: jnp.where(keep, new, old), acc_grads, state.acc_grads
+            )
+            acc_weight = jnp.where(keep, acc_weight, state.acc_weight)
+            mini_step = jnp.where(keep, mini_step, state.mini_step)
+
+        k = jnp.maximum(jnp.asarray(schedule(state.gradient_step), jnp.int32), 1)
+        emit = mini_step >= k  # the window is complete
+        if keep is not None:  # a rejected call never ends a window
+            emit = jnp.logical_and(keep, emit)
+        # No step on a window of total weight 0; a NaN total (a traced negative weight) does
+        # step, so that the NaN reaches the update instead of being dropped silently.
+        step = jnp.logical_and(emit, acc_weight != 0)
+
+        def inner_step(total: Any, inner_state: Any) -> tuple[optax.Updates, optax.OptState]:
+            # Runs only when acc_weight != 0 (or under vmap, whose select drops the result).
+            if use_grad_mean:
+                total = jax.tree.map(lambda x: x / acc_weight.astype(x.dtype), total)
+            new_updates, new_state = inner_ex.update(
+                _reductions.cast_like(total, updates), inner_state, params, **extra_args
+            )
+            return new_updates, _keep_dtypes(new_state, inner_state)
+
+        def no_step(total: Any, inner_state: Any) -> tuple[optax.Updates, optax.OptState]:
+            shapes, _ = jax.eval_shape(inner_step, total, inner_state)
+            return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes), inner_state
+
+        new_updates, inner_opt_state = jax.lax.cond(
+            step, inner_step, no_step, acc_grads, state.inner_opt_state
+        )
+        return new_updates, MultiStepsState(
+            mini_step=jnp.where(emit, 0, mini_step).astype(jnp.int32),
+            gradient_step=(state.gradient_step + step).astype(jnp.int32),
+            inner_opt_state=inner_opt_state,
+            acc_grads=jax.tree.map(lambda a: jnp.where(emit, jnp.zeros_like(a), a), acc_grads),
+            skip_state=skip_state,
+            acc_weight=jnp.where(emit, 0.0, acc_weight).astype(jnp.float32),
+            skipped=(state.skipped + left_out).astype(jnp.int32),
+            emitted=step,
+        )
+
+    return MultiStepsTransformation(init_fn, update_fn)
