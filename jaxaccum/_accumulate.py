@@ -23,6 +23,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 from jax.typing import DTypeLike
 
 from jaxaccum import _reductions, _validation
@@ -156,8 +157,8 @@ def with_microbatch(cfg: Config, args: tuple[Any, ...], batch: tuple[Any, ...]) 
 
 def check_output(cfg: Config, args: tuple[Any, ...], batch: tuple[Any, ...]) -> Any:
     """Traces ``fun`` abstractly on one micro-batch; checks the loss (and weight) are scalars."""
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), batch)
-    out = jax.eval_shape(cfg.fun, *with_microbatch(cfg, args, abstract))
+    first = lambda b: cfg.fun(*with_microbatch(cfg, args, jax.tree.map(lambda x: x[0], b)))  # noqa: E731
+    out = jax.eval_shape(first, batch)  # indexing inside keeps sharding types
     loss, weight, _ = split_output(out, has_aux=cfg.has_aux, weighted=cfg.weighted)
     _validation.scalar(loss, "the loss returned by fun", floating=True)
     if cfg.weighted:
@@ -201,12 +202,27 @@ def micro_step(cfg: Config, args: tuple[Any, ...], sums: Sums) -> tuple[Sums, An
     if cfg.skip_nonfinite:
         w, bad = _reductions.skip_if_nonfinite(w, _reductions.all_finite((loss, grads)))
         skipped = skipped + bad.astype(jnp.int32)
+    grads_sum = jax.tree.map(
+        lambda acc, g: _add_weighted(acc, g, w), sums.grads, grads
+    )
     return Sums(
         loss=_reductions.weighted_add(sums.loss, loss, w),
-        grads=jax.tree.map(lambda acc, g: _reductions.weighted_add(acc, g, w), sums.grads, grads),
+        grads=grads_sum,
         weight=_reductions.add_weight(sums.weight, w),
         skipped=skipped,
     ), aux
+
+
+def _add_weighted(acc: jax.Array, g: jax.Array, w: jax.Array) -> jax.Array:
+    """``acc + w * g``; for an unreduced gradient (partial sums per device, on an Explicit
+    mesh) only linear operations exist, so the weight is cast to reduced and no NaN of a
+    weight-0 micro-batch can be masked (it propagates; it is never dropped silently)."""
+    sharding = getattr(jax.typeof(g), "sharding", None)
+    unreduced = getattr(getattr(sharding, "spec", None), "unreduced", None)
+    if not unreduced:
+        return _reductions.weighted_add(acc, g, w)
+    w_reduced = jax.reshard(_reductions.valid_weight(w), P(reduced=set(unreduced)))
+    return (acc + w_reduced.astype(g.dtype) * g).astype(acc.dtype)
 
 
 def scan_microbatches(
@@ -225,18 +241,17 @@ def scan_microbatches(
     if batches is None:
         batches = split_microbatches(cfg, args, k)
     loss = check_output(cfg, args, batches)
-    if sums is None:
-        sums = zero_sums(cfg, args, loss)
+    start = zero_sums(cfg, args, loss) if sums is None else sums
 
     def body(sums: Sums, batch: tuple[Any, ...]) -> tuple[Sums, Any]:
         return micro_step(cfg, with_microbatch(cfg, args, batch), sums)
 
     if k == 1:
-        sums, aux = body(sums, jax.tree.map(lambda x: x[0], batches))
+        out, aux = body(start, jax.tree.map(lambda x: x[0], batches))
         aux = jax.tree.map(lambda x: jnp.expand_dims(jnp.asarray(x), 0), aux)
     else:
-        sums, aux = jax.lax.scan(body, sums, batches, unroll=cfg.unroll)
-    return sums, aux, loss
+        out, aux = jax.lax.scan(body, start, batches, unroll=cfg.unroll)
+    return out, aux, loss
 
 
 # --- finalize -----------------------------------------------------------------------------------

@@ -149,6 +149,14 @@ class DataParallel:
     def batch_spec(self, ndim: int) -> P:
         return P(_entry(self.axes), *([None] * (ndim - 1)))
 
+    def _psum_rest(self, g: jax.Array, spec: P) -> jax.Array:
+        """``psum`` over the data axes that do not shard the leaf (the others are scattered)."""
+        rest = tuple(a for a in self.axes if all(a not in _names(e) for e in spec))
+        return jax.lax.psum(g, rest) if rest else g
+
+    def _reshard(self, x: Any, spec: P) -> Any:
+        return jax.reshard(x, NamedSharding(self.mesh, spec))
+
     # --- the pipeline -----------------------------------------------------------------------
 
     def accumulate(
@@ -167,6 +175,13 @@ class DataParallel:
         local = batch_size // self.devices
         k = _validation.resolve_num_microbatches(local, num_microbatches, microbatch_size)
         if self.explicit:
+            current = jax.sharding.get_abstract_mesh()
+            if current.empty or current.shape_tuple != self.mesh.abstract_mesh.shape_tuple:
+                raise ValueError(
+                    f"mesh has Explicit axes {self.axes}: call value_and_grad inside "
+                    "`with jax.set_mesh(mesh):` (JAX's explicit-sharding mode needs the mesh in "
+                    f"context); the mesh in context is {current}"
+                )
             return self._explicit(cfg, args, k)
         return self._auto(cfg, args, k)
 
@@ -175,56 +190,73 @@ class DataParallel:
         self, cfg: _accumulate.Config, args: tuple[Any, ...], k: int
     ) -> _accumulate.Accumulated:
         args = tuple(
-            jax.tree.map(lambda x: jax.reshard(jnp.asarray(x), self.batch_spec(jnp.ndim(x))), a)
+            jax.tree.map(lambda x: self._reshard(jnp.asarray(x), self.batch_spec(jnp.ndim(x))), a)
             if i in cfg.split_argnums
             else a
             for i, a in enumerate(args)
         )
-        diff = cfg.differentiated(args)
+        diff = jax.tree.map(jnp.asarray, cfg.differentiated(args))
         specs = jax.tree.map(lambda x: self.spec_of(x), diff)
-        unreduced = not cfg.skip_nonfinite  # a finiteness test is not linear: reduce per step
-
-        def cast(x: Any, spec: P) -> Any:
-            x = jnp.asarray(x)
-            if unreduced:
-                return jax.reshard(x, P(*self.without_data(spec, x.ndim), reduced=set(self.axes)))
-            return jax.reshard(x, self.without_data(spec, x.ndim))
-
-        per_microbatch = jax.tree.map(
-            lambda x, s: self.fsdp == "microbatch" and self.sharded_over_data(s, jnp.ndim(x)),
-            diff,
-            specs,
-        )
-        outside = jax.tree.map(lambda x, s, m: x if m else cast(x, s), diff, specs, per_microbatch)
-        inner_cfg = cfg
-        if any(jax.tree.leaves(per_microbatch)):
-            inner_cfg = _gather_inside(cfg, lambda tree: jax.tree.map(
-                lambda x, s, m: cast(x, s) if m else x, tree, specs, per_microbatch))
-        args = _replace_differentiated(cfg, args, outside)
         batches = _accumulate.split_microbatches(cfg, args, k)
         batches = jax.tree.map(
-            lambda x: jax.reshard(x, P(None, *self.batch_spec(x.ndim - 1))), batches
+            lambda x: self._reshard(x, P(None, *self.batch_spec(x.ndim - 1))), batches
         )
-        loss = _accumulate.check_output(cfg, args, batches)
+        # Which leaves can be cast to reduced: JAX rejects an elementwise op between a reduced
+        # array and one sharded over the same axes (a bias added to a batch-sharded
+        # activation), so try every leaf, then kernels only (ndim >= 2), then none. A leaf
+        # left replicated has its gradient reduced by the partitioner in every micro-batch.
+        # A finiteness test (skip_nonfinite) is not linear: then nothing is left unreduced.
+        choices = [lambda x: False] if cfg.skip_nonfinite else [
+            lambda x: True, lambda x: x.ndim >= 2, lambda x: False]
+        for choice in choices:
+            reduced = jax.tree.map(choice, diff)
+            trial = self._explicit_args(cfg, args, diff, specs, reduced)
+            try:
+                loss = _accumulate.check_output(trial[0], trial[1], batches)
+                break
+            except Exception as error:  # jax's ShardingTypeError is not public
+                if type(error).__name__ != "ShardingTypeError" or choice is choices[-1]:
+                    raise
+        inner_cfg, cast_args, per_microbatch = trial
 
-        def zeros(x: Any, spec: P, m: bool) -> jax.Array:
+        def zeros(x: Any, spec: P, m: bool, r: bool) -> jax.Array:
             dtype = _reductions.accumulator_dtype_for(x.dtype, cfg.accumulator_dtype)
             z = jnp.zeros(x.shape, dtype)
             if m:
-                return jax.reshard(z, spec)
-            if unreduced:
-                return jax.reshard(z, P(*self.without_data(spec, x.ndim), unreduced=set(self.axes)))
-            return jax.reshard(z, self.without_data(spec, x.ndim))
+                return self._reshard(z, spec)
+            unreduced = set(self.axes) if r else set()
+            return self._reshard(z, P(*self.without_data(spec, x.ndim), unreduced=unreduced))
 
-        sums = _accumulate.zero_sums(cfg, args, loss)._replace(
-            grads=jax.tree.map(zeros, diff, specs, per_microbatch)
+        sums = _accumulate.zero_sums(cfg, cast_args, loss)._replace(
+            grads=jax.tree.map(zeros, diff, specs, per_microbatch, reduced)
         )
-        sums, aux, _ = _accumulate.scan_microbatches(inner_cfg, args, k, sums, batches=batches)
-        grads = jax.tree.map(lambda g, s: jax.reshard(g, s), sums.grads, specs)  # the reduction
-        sums = sums._replace(grads=grads)
-        original = _replace_differentiated(cfg, args, diff)
-        mean_loss, grads = _accumulate.finalize(cfg, sums, original, loss)
+        sums, aux, _ = _accumulate.scan_microbatches(inner_cfg, cast_args, k, sums, batches)
+        grads = jax.tree.map(lambda g, s: self._reshard(g, s), sums.grads, specs)  # the reduction
+        mean_loss, grads = _accumulate.finalize(cfg, sums._replace(grads=grads), args, loss)
         return _accumulate.Accumulated(mean_loss, grads, aux, sums.weight, sums.skipped, k)
+
+    def _explicit_args(
+        self, cfg: _accumulate.Config, args: tuple[Any, ...], diff: Any, specs: Any, reduced: Any
+    ) -> tuple[_accumulate.Config, tuple[Any, ...], Any]:
+        """The config and arguments with each differentiated leaf cast for the scan."""
+
+        def cast(x: jax.Array, spec: P, r: bool) -> jax.Array:
+            unreduced = set(self.axes) if r else set()
+            return self._reshard(x, P(*self.without_data(spec, x.ndim), reduced=unreduced))
+
+        per_microbatch = jax.tree.map(
+            lambda x, s: self.fsdp == "microbatch" and self.sharded_over_data(s, x.ndim),
+            diff,
+            specs,
+        )
+        outside = jax.tree.map(
+            lambda x, s, m, r: x if m else cast(x, s, r), diff, specs, per_microbatch, reduced
+        )
+        inner_cfg = cfg
+        if any(jax.tree.leaves(per_microbatch)):
+            inner_cfg = _gather_inside(cfg, lambda tree: jax.tree.map(
+                lambda x, s, m, r: cast(x, s, r) if m else x, tree, specs, per_microbatch, reduced))
+        return inner_cfg, _replace_differentiated(cfg, args, outside), per_microbatch
 
     # Auto axes: shard_map manual over the data axes only; one psum (or psum_scatter) after.
     def _auto(
@@ -238,8 +270,7 @@ class DataParallel:
             for i, a in enumerate(args)
         )
         diff_specs = cfg.differentiated(in_specs)
-        gathered = jax.tree.map(lambda s: any(e is not None for e in s), diff_specs,
-                                is_leaf=lambda s: isinstance(s, P))
+        is_spec = lambda s: isinstance(s, P)  # noqa: E731
 
         def gather(x: jax.Array, spec: P) -> jax.Array:
             for dim, entry in enumerate(spec):
@@ -251,8 +282,7 @@ class DataParallel:
             for dim, entry in enumerate(spec):
                 if entry is not None:
                     g = jax.lax.psum_scatter(g, entry, scatter_dimension=dim, tiled=True)
-            rest = tuple(a for a in self.axes if all(a not in _names(e) for e in spec))
-            return jax.lax.psum(g, rest) if rest else g
+            return self._psum_rest(g, spec)
 
         def gather_tree(tree: Any, spec_tree: Any) -> Any:
             return jax.tree.map(gather, tree, spec_tree, is_leaf=lambda s: isinstance(s, P))
@@ -275,22 +305,17 @@ class DataParallel:
                         gather, cfg.differentiated(local_args), diff_specs,
                         is_leaf=lambda s: isinstance(s, P)))
             sums, aux, loss = _accumulate.scan_microbatches(inner_cfg, local_args, k)
-            if per_microbatch:
-                rest = jax.tree.map(
-                    lambda g, s: jax.lax.psum(g, tuple(
-                        a for a in self.axes if all(a not in _names(e) for e in s))) if tuple(
-                        a for a in self.axes if all(a not in _names(e) for e in s)) else g,
-                    sums.grads, diff_specs, is_leaf=lambda s: isinstance(s, P))
-                grads = rest
+            if per_microbatch:  # already reduce-scattered over the axes the leaf is split on
+                grads = jax.tree.map(
+                    lambda g, s: self._psum_rest(g, s), sums.grads, diff_specs, is_leaf=is_spec
+                )
             else:
-                grads = jax.tree.map(scatter, sums.grads, diff_specs,
-                                     is_leaf=lambda s: isinstance(s, P))
+                grads = jax.tree.map(scatter, sums.grads, diff_specs, is_leaf=is_spec)
             totals = jax.lax.psum((sums.loss, sums.weight, sums.skipped), self.axes)
             sums = _accumulate.Sums(totals[0], grads, totals[1], totals[2])
             mean_loss, grads = _accumulate.finalize(cfg, sums, local_args, loss)
             return mean_loss, grads, aux, sums.weight, sums.skipped
 
-        del gathered
         out = jax.shard_map(
             local,
             mesh=self.mesh,
@@ -299,7 +324,8 @@ class DataParallel:
             axis_names=set(self.axes),
             check_vma=False,
         )(*args)
-        return _accumulate.Accumulated(*out, k * self.devices)
+        loss, grads, aux, weight, skipped = out
+        return _accumulate.Accumulated(loss, grads, aux, weight, skipped, k * self.devices)
 
 
 def _replace_differentiated(cfg: _accumulate.Config, args: tuple[Any, ...], new: Any) -> tuple:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable
 from typing import Any
@@ -106,15 +107,24 @@ class TrainStep:
         self, params: optax.Params, opt_state: optax.OptState, batch: Any, *rest: Any
     ) -> tuple[optax.Params, optax.OptState, jax.Array, Any]:
         args = (params, opt_state, batch, *rest)
-        return self._jitted(args)(*args)  # type: ignore[no-any-return]
+        with self._mesh_context():
+            return self._jitted(args)(*args)  # type: ignore[no-any-return]
+
+    def _mesh_context(self) -> Any:
+        """Explicit-axis meshes need the mesh in context (``jax.set_mesh``) while tracing."""
+        if self._sharding is not None and self._sharding.explicit:
+            return jax.set_mesh(self._sharding.mesh)
+        return contextlib.nullcontext()
 
     def lower(self, *args: Any) -> Any:
         """``jax.jit(...).lower`` of the step for these arguments (arrays or shape structs)."""
-        return self._jitted(args).lower(*args)
+        with self._mesh_context():
+            return self._jitted(args).lower(*args)
 
     def trace(self, *args: Any) -> Any:
         """``jax.jit(...).trace`` of the step for these arguments."""
-        return self._jitted(args).trace(*args)
+        with self._mesh_context():
+            return self._jitted(args).trace(*args)
 
 
 def train_step(

@@ -50,7 +50,7 @@ elif mode == "resume":
     target = jax.tree.map(ocp.utils.to_shape_dtype_struct, {"params": params, "state": state})
     restored = ocp.StandardCheckpointer().restore(path, target)
     params, state, start = restored["params"], restored["state"], STOP
-    assert type(state) is type(opt.init(params)) and int(state.micro_step) == STOP % K
+    assert type(state) is type(opt.init(params)) and int(state.mini_step) == STOP % K
 for i in range(start, stop):
     params, state = call(params, state, data(i))
 if mode == "first":

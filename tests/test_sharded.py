@@ -1,0 +1,235 @@
+# ruff: noqa: E501  (the subprocess script below is kept as one readable block)
+"""Sharded training: TP and FSDP parameter shardings are kept, gradients reduced once per step.
+
+One subprocess with 8 host CPU devices runs every case (XLA_FLAGS must be set before JAX
+starts) and reports numbers; the tests below assert on them. Meshes: (8,) data; (4, 2)
+data x model with tensor-parallel kernels; (8,) FSDP (kernels sharded over the data axis);
+(2, 4) data x fsdp with ``data_axis=("data", "fsdp")``. Each on an Auto and an Explicit mesh
+(the Explicit model writes its contractions with ``out_sharding=``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+SCRIPT = r"""
+import json, jax, jax.numpy as jnp, numpy as np, optax, jaxaccum
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from jaxaccum import _hlo
+jax.config.update("jax_default_matmul_precision", "highest")
+
+B, D, H, O = 128, 16, 64, 8
+rng = np.random.default_rng(0)
+PARAMS = {"w1": rng.normal(size=(D, H)).astype(np.float32) / 4,
+          "b1": rng.normal(size=(H,)).astype(np.float32) / 10,
+          "w2": rng.normal(size=(H, O)).astype(np.float32) / 8}
+X = rng.normal(size=(B, D)).astype(np.float32)
+Y = rng.normal(size=(B, O)).astype(np.float32)
+
+MESHES = {  # name: (shape, axis names, data axes, parameter specs)
+    "data": ((8,), ("data",), ("data",), {"w1": P(), "b1": P(), "w2": P()}),
+    "data_model": ((4, 2), ("data", "model"), ("data",),
+                   {"w1": P(None, "model"), "b1": P("model"), "w2": P("model", None)}),
+    "fsdp": ((8,), ("data",), ("data",), {"w1": P("data", None), "b1": P(), "w2": P("data", None)}),
+    "data_fsdp": ((2, 4), ("data", "fsdp"), ("data", "fsdp"),
+                  {"w1": P("fsdp", None), "b1": P("fsdp"), "w2": P("fsdp", None)}),
+}
+
+def make_loss(explicit, data_axes, model):
+    batch = data_axes if len(data_axes) > 1 else data_axes[0]
+    def loss(p, b):
+        x, y = b
+        if explicit:  # a model written for Explicit axes
+            h = jnp.einsum("bd,dh->bh", x, p["w1"], out_sharding=P(batch, model))
+            h = jnp.tanh(h + p["b1"])
+            out = jnp.einsum("bh,ho->bo", h, p["w2"], out_sharding=P(batch, None))
+        else:
+            out = jnp.tanh(x @ p["w1"] + p["b1"]) @ p["w2"]
+        return jnp.mean((out - y) ** 2)
+    return loss
+
+def plain_loss(p, b):
+    x, y = b
+    return jnp.mean((jnp.tanh(x @ p["w1"] + p["b1"]) @ p["w2"] - y) ** 2)
+
+ref_loss, ref_grads = jax.jit(jax.value_and_grad(plain_loss))(PARAMS, (X, Y))
+scale = max(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(ref_grads))
+
+def rel(grads):
+    return max(float(np.max(np.abs(np.asarray(a) - np.asarray(b)))) for a, b in
+               zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads))) / scale
+
+def same_sharding(tree, specs, mesh):
+    return all(a.sharding.is_equivalent_to(NamedSharding(mesh, s), a.ndim)
+               for a, s in zip(jax.tree.leaves(tree), jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, P))))
+
+out = {}
+for name, (shape, names, data_axes, specs) in MESHES.items():
+    model = "model" if "model" in names else None
+    for axis_type in ("auto", "explicit"):
+        explicit = axis_type == "explicit"
+        mesh = jax.make_mesh(shape, names, axis_types=(AxisType.Explicit if explicit else AxisType.Auto,) * len(names))
+        ctx = jax.set_mesh(mesh)
+        ctx.__enter__()
+        params = {k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in PARAMS.items()}
+        bspec = P(data_axes if len(data_axes) > 1 else data_axes[0])
+        batch = jax.device_put((X, Y), NamedSharding(mesh, bspec))
+        loss = make_loss(explicit, data_axes, model)
+        def gathered_loss(p, b):  # the plain-jit baseline gathers FSDP leaves itself
+            if explicit:
+                p = jax.tree.map(lambda a, s: jax.reshard(a, P(*[e if e == "model" else None for e in s])), p, specs)
+            return loss(p, b)
+        plain = jax.jit(jax.value_and_grad(gathered_loss)).lower(params, batch).compile()
+        base = {"temp": plain.memory_analysis().temp_size_in_bytes,
+                "reductions": _hlo.gradient_reductions(plain.as_text(), int(np.prod([mesh.shape[a] for a in data_axes])))}
+        modes = ("step", "microbatch") if name in ("fsdp", "data_fsdp") else ("step",)
+        for fsdp in modes:
+            for k in (1, 4, 16):
+                fn = jax.jit(jaxaccum.value_and_grad(loss, num_microbatches=k, mesh=mesh,
+                                                     data_axis=data_axes, fsdp=fsdp))
+                value, grads = fn(params, batch)
+                compiled = fn.lower(params, batch).compile()
+                ma = compiled.memory_analysis()
+                out[f"{name}/{axis_type}/{fsdp}/{k}"] = {
+                    "loss_rel": abs(float(value) - float(ref_loss)) / abs(float(ref_loss)),
+                    "grads_rel": rel(grads),
+                    "grad_shardings_kept": same_sharding(grads, specs, mesh),
+                    "reductions": _hlo.gradient_reductions(compiled.as_text(), int(np.prod([mesh.shape[a] for a in data_axes]))),
+                    "counts": _hlo.collective_counts(compiled.as_text()),
+                    "temp": ma.temp_size_in_bytes,
+                    "argument": ma.argument_size_in_bytes,
+                    "plain": base,
+                }
+            opt = optax.adam(1e-2)
+            step = jaxaccum.train_step(loss, opt, num_microbatches=4, mesh=mesh,
+                                       data_axis=data_axes, fsdp=fsdp)
+            p = jax.tree.map(jnp.copy, params)
+            state = opt.init(p)
+            state_specs = jax.tree.map(lambda a: a.sharding.spec, state)
+            for _ in range(3):
+                p, state, _, _ = step(p, state, batch)
+            ref_p = {k: np.asarray(v) for k, v in PARAMS.items()}
+            ref_state = opt.init(ref_p)
+            rstep = jax.jit(lambda p, s: (lambda g: (lambda u, s2: (optax.apply_updates(p, u), s2))(*opt.update(g, s, p)))(jax.grad(plain_loss)(p, (X, Y))))
+            for _ in range(3):
+                ref_p, ref_state = rstep(ref_p, ref_state)
+            out[f"{name}/{axis_type}/{fsdp}/train"] = {
+                "params_kept": same_sharding(p, specs, mesh),
+                "state_kept": same_sharding(state, state_specs, mesh),
+                "params_rel": max(float(np.max(np.abs(np.asarray(p[k]) - np.asarray(ref_p[k])))) for k in p)
+                / max(float(np.max(np.abs(np.asarray(v)))) for v in ref_p.values()),
+            }
+        ctx.__exit__(None, None, None)
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def results():
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    proc = subprocess.run(
+        [sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=900
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+CASES = [
+    (mesh, axis_type, fsdp)
+    for mesh in ("data", "data_model", "fsdp", "data_fsdp")
+    for axis_type in ("auto", "explicit")
+    for fsdp in (("step", "microbatch") if "fsdp" in mesh else ("step",))
+]
+
+
+@pytest.mark.parametrize("mesh,axis_type,fsdp", CASES)
+@pytest.mark.parametrize("k", [1, 4, 16])
+def test_equals_single_device_full_batch(results, mesh, axis_type, fsdp, k):
+    r = results[f"{mesh}/{axis_type}/{fsdp}/{k}"]
+    assert r["loss_rel"] <= 1e-5
+    assert r["grads_rel"] <= 1e-5
+    if axis_type == "auto" and "fsdp" in mesh:
+        # Under the caller's own jit an Auto-mode tracer carries no sharding, so FSDP leaves
+        # are taken as replicated over the data axes (correct, gathered); train_step reads
+        # the shardings before tracing (test_train_step_keeps_shardings).
+        return
+    assert r["grad_shardings_kept"]
+
+
+@pytest.mark.parametrize("mesh,axis_type,fsdp", CASES)
+def test_train_step_keeps_shardings(results, mesh, axis_type, fsdp):
+    r = results[f"{mesh}/{axis_type}/{fsdp}/train"]
+    assert r["params_kept"] and r["state_kept"]
+    assert r["params_rel"] <= 1e-5  # 3 Adam steps, k=4, vs the single-device full batch
+
+
+KNOWN_GAPS = {  # strict xfails: each must start failing the day it is fixed, then be removed
+    "explicit": "JAX 0.10 rejects an elementwise op between a reduced leaf and a data-sharded "
+    "activation (the bias add), so 1-D leaves fall back to a per-micro-batch reduction",
+    "auto/microbatch": "ZeRO-3 needs the leaf's data sharding, which an Auto-mode tracer under "
+    "the caller's jit does not carry (train_step has it; not yet measured here)",
+}
+
+
+def gap(mesh, axis_type, fsdp):
+    if axis_type == "explicit" and fsdp == "step":
+        return KNOWN_GAPS["explicit"]
+    if axis_type == "auto" and fsdp == "microbatch":
+        return KNOWN_GAPS["auto/microbatch"]
+    return None
+
+
+@pytest.mark.parametrize(
+    "mesh,axis_type,fsdp",
+    [
+        pytest.param(*c, marks=pytest.mark.xfail(strict=True, reason=gap(*c)))
+        if gap(*c)
+        else c
+        for c in CASES
+    ],
+)
+def test_one_gradient_reduction_per_step(results, mesh, axis_type, fsdp):
+    """Gradient-sized reductions over the data axes: as many for k = 4, 16 as for k = 1."""
+    base = results[f"{mesh}/{axis_type}/{fsdp}/1"]["reductions"]
+    for k in (4, 16):
+        red = results[f"{mesh}/{axis_type}/{fsdp}/{k}"]["reductions"]
+        if fsdp == "microbatch":  # ZeRO-3: a reduce-scatter per micro-batch, by design
+            assert red["in loops"] >= 1
+            continue
+        assert red["total"] == base["total"] >= 1
+        assert red["in loops"] == 0
+        assert abs(red["bytes"] - base["bytes"]) <= 16  # k = 1 may fuse the 4-byte loss in
+
+
+@pytest.mark.parametrize("mesh", ["data", "data_model"])
+@pytest.mark.parametrize("axis_type", ["auto", "explicit"])
+def test_temp_memory_no_higher_than_plain_jit(results, mesh, axis_type):
+    for k in (4, 16):
+        r = results[f"{mesh}/{axis_type}/step/{k}"]
+        assert r["temp"] <= r["plain"]["temp"], (r["temp"], r["plain"]["temp"])
+
+
+@pytest.mark.parametrize("mesh", ["fsdp", "data_fsdp"])
+@pytest.mark.parametrize(
+    "axis_type",
+    [
+        pytest.param(
+            "auto", marks=pytest.mark.xfail(strict=True, reason=KNOWN_GAPS["auto/microbatch"])
+        ),
+        pytest.param(
+            "explicit", marks=pytest.mark.xfail(strict=True, reason=KNOWN_GAPS["explicit"])
+        ),
+    ],
+)
+def test_fsdp_arguments_are_sharded_and_zero3_is_leaner(results, mesh, axis_type):
+    step = results[f"{mesh}/{axis_type}/step/4"]
+    zero3 = results[f"{mesh}/{axis_type}/microbatch/4"]
+    replicated = results[f"data/{axis_type}/step/4"]
+    assert step["argument"] < replicated["argument"]  # the kernels arrive sharded
+    assert zero3["temp"] <= step["temp"]
+    assert zero3["temp"] <= zero3["plain"]["temp"]
