@@ -19,7 +19,7 @@ import numpy as np
 import optax
 
 import jaxaccum
-from jaxaccum import models
+from jaxaccum.experiment import models
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 KS = (1, 2, 4, 8, 16, 32, 64)

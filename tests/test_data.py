@@ -1,4 +1,4 @@
-"""jaxaccum.data: MNIST through the project's TFDS builder, offline; the example stream."""
+"""jaxaccum.experiment.data: MNIST through the TFDS builder, offline; the example stream."""
 
 from __future__ import annotations
 
@@ -8,10 +8,11 @@ import shutil
 
 import numpy as np
 import pytest
+import requests
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxaccum import data
+from jaxaccum.experiment import data
 
 # From ../shared/mnist/README.md.
 TRAIN_COUNTS = [5923, 6742, 5958, 6131, 5842, 5421, 5918, 6265, 5851, 5949]
@@ -81,3 +82,69 @@ def test_stream_errors():
         data.ExampleStream(np.zeros(3), np.zeros(2), 0)
     with pytest.raises(ValueError, match=r"n must be >= 0; got n=-1"):
         data.ExampleStream(np.zeros(3), np.zeros(3), 0).next_batch(-1)
+
+
+def no_network(*args, **kwargs):
+    raise requests.exceptions.ConnectionError("no network (simulated by the test)")
+
+
+def test_offline_without_manual_dir_fails_at_once(tmp_path, monkeypatch):
+    monkeypatch.delenv(data.MANUAL_DIR_ENV, raising=False)
+    monkeypatch.setattr(requests, "head", no_network)  # the quick probe before TFDS' download
+
+    def download(*args, **kwargs):  # TFDS' download would retry for minutes offline
+        raise AssertionError("TFDS' download was tried after the probe had failed")
+
+    monkeypatch.setattr(requests.Session, "request", download)
+    with pytest.raises(data.MnistDownloadError) as e:
+        data.mnist("test", data_dir=tmp_path / "tfds")
+    message = str(e.value)
+    assert "\n" not in message
+    assert message.startswith(f"MNIST is not prepared in {tmp_path / 'tfds'} and could not be")
+    assert "(ConnectionError); offline, set JAXACCUM_MNIST_DIR or pass --manual-dir" in message
+    assert "t10k-images-idx3-ubyte.gz" in message
+
+
+def test_download_failure_after_the_probe_is_the_same_error(tmp_path, monkeypatch):
+    monkeypatch.delenv(data.MANUAL_DIR_ENV, raising=False)
+    monkeypatch.setattr(requests, "head", lambda *a, **k: None)  # the probe gets through ...
+    monkeypatch.setattr(requests.Session, "request", no_network)  # ... the download does not
+    with pytest.raises(data.MnistDownloadError, match=r"set JAXACCUM_MNIST_DIR"):
+        data.mnist("test", data_dir=tmp_path / "tfds")
+
+
+def test_manual_dir_must_hold_the_files(tmp_path):
+    (tmp_path / "some").mkdir()
+    (tmp_path / "some" / "t10k-images-idx3-ubyte.gz").write_bytes(b"")
+    with pytest.raises(ValueError, match=r"lacks train-images-idx3-ubyte.gz, train-labels-idx1"):
+        data.mnist("test", data_dir=tmp_path / "tfds", manual_dir=tmp_path / "some")
+    with pytest.raises(ValueError, match=r"got '.*nowhere', which is not a folder"):
+        data.mnist("test", data_dir=tmp_path / "tfds", manual_dir=tmp_path / "nowhere")
+
+
+def test_first_run_logs_no_variant_folder_warning(tmp_path, monkeypatch, caplog):
+    # TFDS' builder.is_prepared() logs "Variant folder ... has no dataset_info.json" whenever
+    # the dataset is not prepared yet (tfds.data_source asks it first); data.mnist never asks.
+    import tensorflow_datasets as tfds
+
+    def is_prepared(self):
+        raise AssertionError("data.mnist asked is_prepared()")
+
+    monkeypatch.setattr(tfds.core.DatasetBuilder, "is_prepared", is_prepared)
+    monkeypatch.delenv(data.MANUAL_DIR_ENV, raising=False)
+    monkeypatch.setattr(requests, "head", no_network)
+    with caplog.at_level("WARNING"), pytest.raises(data.MnistDownloadError):
+        data.mnist("test", data_dir=tmp_path / "tfds")
+    assert "Variant folder" not in caplog.text
+
+
+@pytest.mark.slow  # prepares MNIST once more (~10 s)
+def test_prepared_dataset_needs_no_manual_dir_and_no_network(tmp_path, monkeypatch):
+    prepared = tmp_path / "tfds"
+    first = data.mnist("test", data_dir=prepared, manual_dir=os.environ[data.MANUAL_DIR_ENV])
+    monkeypatch.delenv(data.MANUAL_DIR_ENV)
+    monkeypatch.setattr(requests, "head", no_network)
+    monkeypatch.setattr(requests.Session, "request", no_network)
+    again = data.mnist("test", data_dir=prepared)
+    np.testing.assert_array_equal(again[0], first[0])
+    np.testing.assert_array_equal(again[1], first[1])

@@ -1,4 +1,4 @@
-"""jaxaccum.models: the experiment's MLPs."""
+"""jaxaccum.experiment.models: the experiment's MLPs."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 import jaxaccum
-from jaxaccum import models
+from jaxaccum.experiment import models
 
 
 def test_gist_mlp_weights():
@@ -77,3 +77,15 @@ def test_per_example_dropout_needs_one_key_per_example():
 def test_dropout_keep_checked():
     with pytest.raises(ValueError, match=r"keep must be in \(0, 1\]; got keep=0.0"):
         models.DropoutMLP(nnx.Rngs(0), keep=0.0)
+
+
+def test_per_example_dropout_masks_same_in_float64():
+    x = jax.random.uniform(jax.random.key(0), (16, 300)) + 0.5
+    keys = jaxaccum.per_example_keys(jax.random.key(1), 16)
+    masks32 = np.asarray(models.per_example_dropout(x, keys, 0.8, salt=1) > 0)
+    with jax.enable_x64(True):
+        y64 = models.per_example_dropout(jnp.asarray(x, jnp.float64), keys, 0.8, salt=1)
+        assert y64.dtype == jnp.float64
+        masks64 = np.asarray(y64 > 0)
+    assert 0.7 < masks32.mean() < 0.9
+    np.testing.assert_array_equal(masks64, masks32)

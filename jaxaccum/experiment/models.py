@@ -108,14 +108,20 @@ class DropoutMLP(nnx.Module):
 
 
 def per_example_dropout(x: jax.Array, keys: jax.Array, keep: float, salt: int = 0) -> jax.Array:
-    """Inverted dropout of ``x[i]`` with a mask drawn from ``fold_in(keys[i], salt)``."""
+    """Inverted dropout of ``x[i]`` with a mask drawn from ``fold_in(keys[i], salt)``.
+
+    The masks depend only on the keys: the same in float32 and float64 (x64 enabled).
+    """
     if keys.shape[:1] != x.shape[:1]:
         raise ValueError(
             f"keys must hold one key per example: x has {x.shape[0]} examples, keys shape "
             f"{keys.shape}"
         )
+    # A float32 probability: bernoulli draws its uniforms in p's dtype, so a Python float would
+    # give other masks (float64 draws) when x64 is enabled, as in the float64 reference runs.
+    p = jnp.asarray(keep, jnp.float32)
     masks = jax.vmap(
-        lambda k: jax.random.bernoulli(jax.random.fold_in(k, salt), keep, x.shape[1:])
+        lambda k: jax.random.bernoulli(jax.random.fold_in(k, salt), p, x.shape[1:])
     )(keys)
     return jnp.where(masks, x / keep, 0.0)
 

@@ -4,8 +4,13 @@ The builder :class:`JaxaccumMnist` obtains the four standard MNIST files through
 manager: online it downloads them; offline it takes them from a manual directory (the
 ``manual_dir`` argument or the ``JAXACCUM_MNIST_DIR`` environment variable). Either way their
 sizes and sha256 sums are checked against ``checksums.tsv`` beside this module (the entries of
-TFDS' own ``mnist`` checksums). The files are parsed with ``gzip`` and ``numpy``, written as
-``array_record`` and read back with ``tfds.data_source``.
+TFDS' own ``mnist`` checksums). The files are parsed with ``gzip`` and ``numpy``, written once
+as ``array_record`` under TFDS' ``data_dir`` (``~/tensorflow_datasets`` unless given or set in
+``$TFDS_DATA_DIR``) and read back as a TFDS data source.
+
+Offline with neither a manual directory nor a prepared dataset, :func:`mnist` raises
+:class:`MnistDownloadError` at once, saying what to set, instead of retrying the download for
+minutes.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
+import requests
 import tensorflow_datasets as tfds
 
 MANUAL_DIR_ENV = "JAXACCUM_MNIST_DIR"
@@ -27,6 +33,11 @@ _FILES = {
     "test_labels": "t10k-labels-idx1-ubyte.gz",
 }
 SPLIT_SIZES = {"train": 60_000, "test": 10_000}
+PROBE_TIMEOUT_S = 10.0
+
+
+class MnistDownloadError(ConnectionError):
+    """MNIST is neither prepared nor in a manual directory, and it cannot be downloaded."""
 
 
 def _read_idx(path: Any, offset: int) -> np.ndarray:
@@ -96,34 +107,76 @@ def mnist(
       files' order.
 
     Raises:
-      ValueError: for an unknown split, or when a file does not match its recorded size and
-        sha256 (a corrupted or different file).
+      ValueError: for an unknown split, a ``manual_dir`` that lacks one of the four files, or
+        a file that does not match its recorded size and sha256 (a corrupted or different file).
+      MnistDownloadError: when the dataset is not prepared in ``data_dir``, no ``manual_dir``
+        is given and the files cannot be downloaded (offline).
     """
     if split not in SPLIT_SIZES:
         raise ValueError(f"split must be one of {sorted(SPLIT_SIZES)}; got split={split!r}")
     if manual_dir is None:
         manual_dir = os.environ.get(MANUAL_DIR_ENV) or None
+    builder = JaxaccumMnist(
+        data_dir=None if data_dir is None else os.fspath(data_dir), file_format="array_record"
+    )
+    # download_and_prepare reuses a prepared dataset. (tfds.data_source would first ask
+    # builder.is_prepared(), which logs "Variant folder ... has no dataset_info.json" whenever
+    # the dataset is not prepared yet, e.g. on every first run.)
+    if not builder.data_path.exists():
+        if manual_dir is None:
+            _probe_download(builder)
+        else:
+            _check_manual_dir(manual_dir)
     config = tfds.download.DownloadConfig(
         manual_dir=None if manual_dir is None else os.fspath(manual_dir),
         try_download_gcs=False,
     )
     try:
-        source = tfds.data_source(
-            "jaxaccum_mnist",
-            split=split,
-            data_dir=None if data_dir is None else os.fspath(data_dir),
-            builder_kwargs={"file_format": "array_record"},
-            download_and_prepare_kwargs={"download_config": config},
-        )
+        builder.download_and_prepare(download_config=config)
     except tfds.download.download_manager.NonMatchingChecksumError as e:
         raise ValueError(
             f"an MNIST file does not match its recorded size and sha256 (manual_dir="
             f"{manual_dir!s}); replace it with the original file. TFDS said: {e}"
         ) from e
+    except requests.exceptions.RequestException as e:
+        raise MnistDownloadError(_offline_message(builder, e)) from e
+    source = builder.as_data_source(split=split)
     records = source.__getitems__(range(len(source)))
     images = np.stack([r["image"] for r in records]).reshape(len(records), 784)
     labels = np.asarray([r["label"] for r in records], np.int32)
     return images.astype(np.float32) / 255.0, labels
+
+
+def _offline_message(builder: tfds.core.DatasetBuilder, error: Exception) -> str:
+    return (
+        f"MNIST is not prepared in {builder.data_dir_root} and could not be downloaded "
+        f"({type(error).__name__}); offline, set {MANUAL_DIR_ENV} or pass --manual-dir "
+        f"(manual_dir=) to a folder with the four MNIST files {', '.join(_FILES.values())}"
+    )
+
+
+def _probe_download(builder: tfds.core.DatasetBuilder) -> None:
+    """One quick request before TFDS' download, whose retries take minutes to fail offline."""
+    url = _URL + _FILES["test_labels"]
+    try:
+        requests.head(url, timeout=PROBE_TIMEOUT_S, allow_redirects=True)
+    except requests.exceptions.RequestException as e:
+        raise MnistDownloadError(_offline_message(builder, e)) from e
+
+
+def _check_manual_dir(manual_dir: str | os.PathLike[str]) -> None:
+    folder = os.fspath(manual_dir)
+    if not os.path.isdir(folder):
+        raise ValueError(
+            f"manual_dir (or ${MANUAL_DIR_ENV}) must be a folder with the four MNIST .gz files; "
+            f"got {folder!r}, which is not a folder"
+        )
+    missing = [f for f in _FILES.values() if not os.path.isfile(os.path.join(folder, f))]
+    if missing:
+        raise ValueError(
+            f"manual_dir (or ${MANUAL_DIR_ENV}) must hold the four MNIST .gz files; "
+            f"{folder!r} lacks {', '.join(missing)}"
+        )
 
 
 class ExampleStream:
