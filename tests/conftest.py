@@ -180,7 +180,7 @@ def mnist(tmp_path_factory):
     """Real MNIST from the shared folder, prepared once per session in a temporary data_dir."""
     import tensorflow_datasets as tfds
 
-    from jaxaccum import gist
+    from jaxaccum.experiment import gist
 
     manual = os.environ.get("JAXACCUM_MNIST_DIR")
     if not manual or not pathlib.Path(manual).is_dir():
