@@ -80,6 +80,9 @@ class Config:
     accumulator_dtype: DTypeLike | None
     unroll: int | bool
     skip_nonfinite: bool
+    # Tie the differentiated arguments to the loop carry, so that work done on them inside
+    # ``fun`` (a per-micro-batch all-gather, ZeRO-3) is not hoisted out of the loop by XLA.
+    pin_in_loop: bool = False
 
     def differentiated(self, args: tuple[Any, ...]) -> Any:
         """The differentiated arguments, shaped as ``jax.grad`` returns their gradients."""
@@ -147,6 +150,18 @@ def split_microbatches(cfg: Config, args: tuple[Any, ...], k: int) -> tuple[Any,
     return tuple(jax.tree.map(strided, args[i]) for i in cfg.split_argnums)
 
 
+def replace_differentiated(cfg: Config, args: tuple[Any, ...], new: Any) -> tuple[Any, ...]:
+    """``args`` with the differentiated arguments replaced by ``new`` (shaped as
+    :meth:`Config.differentiated` returns them)."""
+    replaced = list(args)
+    if isinstance(cfg.argnums, int):
+        replaced[cfg.argnums] = new
+    else:
+        for i, value in zip(cfg.diff_argnums, new, strict=True):
+            replaced[i] = value
+    return tuple(replaced)
+
+
 def with_microbatch(cfg: Config, args: tuple[Any, ...], batch: tuple[Any, ...]) -> tuple:
     """``args`` with the batch arguments replaced by one micro-batch."""
     return tuple(
@@ -187,6 +202,9 @@ def micro_step(cfg: Config, args: tuple[Any, ...], sums: Sums) -> tuple[Sums, An
         return loss, (weight, aux)
 
     grad_fun = jax.value_and_grad(with_weight, argnums=cfg.argnums, has_aux=True)
+    if cfg.pin_in_loop:
+        pinned, sums = jax.lax.optimization_barrier((cfg.differentiated(args), sums))
+        args = replace_differentiated(cfg, args, pinned)
     (loss, (weight, aux)), grads = grad_fun(*args)
     loss = loss.astype(sums.loss.dtype)
     if weight is None and not cfg.skip_nonfinite:  # unweighted: a plain sum, divided by k

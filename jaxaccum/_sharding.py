@@ -256,7 +256,7 @@ class DataParallel:
         if any(jax.tree.leaves(per_microbatch)):
             inner_cfg = _gather_inside(cfg, lambda tree: jax.tree.map(
                 lambda x, s, m, r: cast(x, s, r) if m else x, tree, specs, per_microbatch, reduced))
-        return inner_cfg, _replace_differentiated(cfg, args, outside), per_microbatch
+        return inner_cfg, _accumulate.replace_differentiated(cfg, args, outside), per_microbatch
 
     # Auto axes: shard_map manual over the data axes only; one psum (or psum_scatter) after.
     def _auto(
@@ -300,7 +300,7 @@ class DataParallel:
                 inner_cfg = _gather_inside(cfg, lambda tree: jax.tree.map(
                     gather, tree, diff_specs, is_leaf=lambda s: isinstance(s, P)))
             else:
-                local_args = _replace_differentiated(
+                local_args = _accumulate.replace_differentiated(
                     cfg, local_args, jax.tree.map(
                         gather, cfg.differentiated(local_args), diff_specs,
                         is_leaf=lambda s: isinstance(s, P)))
@@ -328,25 +328,14 @@ class DataParallel:
         return _accumulate.Accumulated(loss, grads, aux, weight, skipped, k * self.devices)
 
 
-def _replace_differentiated(cfg: _accumulate.Config, args: tuple[Any, ...], new: Any) -> tuple:
-    """``args`` with the differentiated arguments replaced by ``new`` (as ``differentiated``)."""
-    replaced = list(args)
-    if isinstance(cfg.argnums, int):
-        replaced[cfg.argnums] = new
-    else:
-        for i, value in zip(cfg.diff_argnums, new, strict=True):
-            replaced[i] = value
-    return tuple(replaced)
-
-
 def _gather_inside(cfg: _accumulate.Config, gather: Any) -> _accumulate.Config:
     """A config whose ``fun`` gathers the differentiated arguments itself (per micro-batch)."""
     fun = cfg.fun
 
     def gathered_fun(*args: Any) -> Any:
-        return fun(*_replace_differentiated(cfg, args, gather(cfg.differentiated(args))))
+        return fun(*_accumulate.replace_differentiated(cfg, args, gather(cfg.differentiated(args))))
 
-    return dataclasses.replace(cfg, fun=gathered_fun)
+    return dataclasses.replace(cfg, fun=gathered_fun, pin_in_loop=True)
 
 
 def data_parallel(
