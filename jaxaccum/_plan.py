@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -36,11 +37,15 @@ class MicrobatchPlan(NamedTuple):
 
     Attributes:
       num_microbatches: the chosen k, the smallest candidate whose estimate fits the budget.
-      estimates: the estimate of every candidate compiled, by k, in increasing k.
+      estimates: the estimate of every candidate compiled, in the order tried: keyed by k, or
+        by ``(k, fsdp)`` when several ``fsdp`` options were planned.
+      fsdp: the chosen FSDP option when several were planned (``"step"`` or
+        ``"microbatch"``), else None.
     """
 
     num_microbatches: int
-    estimates: dict[int, MemoryEstimate]
+    estimates: dict[Any, MemoryEstimate]
+    fsdp: str | None = None
 
 
 def memory_estimate(compiled: Any, num_microbatches: int) -> MemoryEstimate:
@@ -83,6 +88,7 @@ def plan_microbatches(
     memory_budget: int,
     optimizer: optax.GradientTransformation | None = None,
     candidates: Sequence[int] | None = None,
+    fsdp: str | Sequence[str] | None = None,
     **kwargs: Any,
 ) -> MicrobatchPlan:
     """Chooses the smallest number of micro-batches whose compiled step fits ``memory_budget``.
@@ -107,8 +113,13 @@ def plan_microbatches(
       optimizer: when given, plan the whole :func:`jaxaccum.train_step` (gradient, optimizer
         update, donated params and state) instead of the gradient alone.
       candidates: the k to try, instead of all divisors of the batch size.
+      fsdp: with a ``mesh`` whose parameters are sharded over the data axes: one option
+        (``"step"`` or ``"microbatch"``, see :func:`jaxaccum.value_and_grad`), or a sequence
+        of them in order of preference, to plan the option along with k: for each k, smallest
+        first, the options are tried in the order given and the first that fits is chosen
+        (``("step", "microbatch")`` prefers the option with k times less traffic).
       **kwargs: passed on to :func:`jaxaccum.value_and_grad` (``has_aux``, ``weighted``,
-        ``remat``, ``accumulator_dtype``).
+        ``remat``, ``accumulator_dtype``, ``mesh``, ``data_axis``).
 
     Returns:
       A :class:`MicrobatchPlan`: the chosen k and the estimate per candidate compiled.
@@ -135,17 +146,31 @@ def plan_microbatches(
             batch_size, _validation.positive_int(k, "candidates"), None
         )
     opt_state = None if optimizer is None else jax.eval_shape(optimizer.init, params)
-    estimates: dict[int, MemoryEstimate] = {}
+    several = fsdp is not None and not isinstance(fsdp, str)
+    options: list[str | None] = (
+        list(fsdp) if fsdp is not None and not isinstance(fsdp, str) else [fsdp]
+    )
+    mesh = kwargs.get("mesh")
+    explicit = mesh is not None and any(
+        t == jax.sharding.AxisType.Explicit for t in mesh.axis_types
+    )
+    estimates: dict[Any, MemoryEstimate] = {}
     for k in ks:
-        if optimizer is None:
-            step = jax.jit(_accumulate.value_and_grad(fun, num_microbatches=k, **kwargs))
-            lowered = step.lower(params, batch, *rest)
-        else:
-            train = _train_step.train_step(fun, optimizer, num_microbatches=k, **kwargs)
-            lowered = train.lower(params, opt_state, batch, *rest)  # type: ignore[attr-defined]
-        estimates[k] = memory_estimate(lowered.compile(), k)
-        if estimates[k].total_bytes <= budget:
-            return MicrobatchPlan(k, estimates)
+        for option in options:
+            extra: dict[str, Any] = {} if option is None else {"fsdp": option}
+            with jax.set_mesh(mesh) if explicit else contextlib.nullcontext():
+                if optimizer is None:
+                    fn = _accumulate.value_and_grad(fun, num_microbatches=k, **extra, **kwargs)
+                    lowered = jax.jit(fn).lower(params, batch, *rest)
+                else:
+                    train = _train_step.train_step(
+                        fun, optimizer, num_microbatches=k, **extra, **kwargs
+                    )
+                    lowered = train.lower(params, opt_state, batch, *rest)
+                estimate = memory_estimate(lowered.compile(), k)
+            estimates[(k, option) if several else k] = estimate
+            if estimate.total_bytes <= budget:
+                return MicrobatchPlan(k, estimates, option if several else None)
     smallest = min(estimates.values(), key=lambda e: e.total_bytes)
     raise ValueError(
         f"memory_budget={budget} bytes is too small: the smallest estimate is "

@@ -317,3 +317,43 @@ def test_two_processes_data_by_model_mesh_equal_single_process(tmp_path):
     scale = max(float(np.max(np.abs(b[n]))) for n in b.files)
     assert max(float(np.max(np.abs(a[n] - b[n]))) for n in b.files) <= 1e-5 * scale
     assert float(np.max(np.abs(b["b1"]))) > 0  # the step moved the parameters
+
+
+PLAN = r"""
+import json, jax, jax.numpy as jnp, numpy as np, optax, jaxaccum
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from jaxaccum._plan import memory_estimate
+mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
+params = {"w1": jax.ShapeDtypeStruct((64, 1024), jnp.float32, sharding=NamedSharding(mesh, P("data"))),
+          "w2": jax.ShapeDtypeStruct((1024, 64), jnp.float32, sharding=NamedSharding(mesh, P("data")))}
+batch = jax.ShapeDtypeStruct((1024, 64), jnp.float32, sharding=NamedSharding(mesh, P("data")))
+def loss(p, x):
+    return jnp.mean((jnp.tanh(x @ p["w1"]) @ p["w2"] - x) ** 2)
+opt = optax.sgd(0.1)
+state = jax.eval_shape(opt.init, params)
+totals = {}
+for k in (1, 2, 4, 8):
+    for option in ("step", "microbatch"):
+        step = jaxaccum.train_step(loss, opt, num_microbatches=k, mesh=mesh, fsdp=option)
+        totals[f"{k}/{option}"] = memory_estimate(step.lower(params, state, batch).compile(), k).total_bytes
+budget = totals["4/microbatch"]
+plan = jaxaccum.plan_microbatches(loss, params, batch, memory_budget=budget, optimizer=opt,
+                                  mesh=mesh, fsdp=("step", "microbatch"))
+print(json.dumps({"totals": totals, "budget": budget, "k": plan.num_microbatches, "fsdp": plan.fsdp,
+                  "tried": [list(key) for key in plan.estimates]}))
+"""
+
+
+def test_plan_chooses_fsdp_option_with_k():
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    proc = subprocess.run(
+        [sys.executable, "-c", PLAN], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    order = [f"{k}/{o}" for k in (1, 2, 4, 8) for o in ("step", "microbatch")]
+    expected = next(key for key in order if r["totals"][key] <= r["budget"])
+    assert f"{r['k']}/{r['fsdp']}" == expected
+    assert r["tried"][-1] == [r["k"], r["fsdp"]]
+    # ZeRO-3 is what makes the budget reachable at a smaller k than "step" alone would need
+    assert r["totals"]["4/microbatch"] < r["totals"]["4/step"]
