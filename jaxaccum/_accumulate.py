@@ -39,12 +39,17 @@ class Sums(NamedTuple):
       grads: the matching sum of gradients, in the accumulator dtype.
       weight: float32, the sum of the weights (unweighted: the number of micro-batches).
       skipped: int32, micro-batches left out for a non-finite loss or gradient.
+      carry: the carried arguments' current values (a tuple, one per ``carry_argnums``).
+      aux: the accumulators of the aux leaves reduced across micro-batches (a list, None where
+        a leaf is stacked), or None when every leaf is stacked.
     """
 
     loss: jax.Array
     grads: Any
     weight: jax.Array
     skipped: jax.Array
+    carry: Any = ()
+    aux: Any = None
 
 
 class Accumulated(NamedTuple):
@@ -57,6 +62,7 @@ class Accumulated(NamedTuple):
       weight: float32 scalar, the total weight (unweighted: the number of micro-batches kept).
       skipped: int32 scalar, micro-batches left out by ``skip_nonfinite``.
       num_microbatches: k, summed over the data-parallel devices (a Python int).
+      carry: the carried arguments' final values (a tuple), ``()`` without ``carry_argnums``.
     """
 
     loss: jax.Array
@@ -65,6 +71,24 @@ class Accumulated(NamedTuple):
     weight: jax.Array
     skipped: jax.Array
     num_microbatches: int
+    carry: Any = ()
+
+
+class Scanned(NamedTuple):
+    """What :func:`scan_microbatches` returns.
+
+    Attributes:
+      sums: the accumulated :class:`Sums` (carry and aux accumulators included).
+      ys: the per-micro-batch outputs of the scan: the stacked aux (all leaves stacked), or a
+        list with the stacked leaves and None for the reduced ones.
+      loss: the abstract loss (shape and dtype).
+      aux: the abstract aux of one micro-batch.
+    """
+
+    sums: Sums
+    ys: Any
+    loss: Any
+    aux: Any
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +107,23 @@ class Config:
     # Tie the differentiated arguments to the loop carry, so that work done on them inside
     # ``fun`` (a per-micro-batch all-gather, ZeRO-3) is not hoisted out of the loop by XLA.
     pin_in_loop: bool = False
+    carry_argnums: tuple[int, ...] = ()
+    aux_reduce: Any = "stack"
+
+    def carried(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        """The carried arguments, as a tuple."""
+        return tuple(args[i] for i in self.carry_argnums)
+
+    def with_carry(self, args: tuple[Any, ...], carry: tuple[Any, ...]) -> tuple[Any, ...]:
+        """``args`` with the carried arguments replaced by ``carry``."""
+        replaced = list(args)
+        for i, value in zip(self.carry_argnums, carry, strict=True):
+            replaced[i] = value
+        return tuple(replaced)
+
+    @property
+    def stacks_all_aux(self) -> bool:
+        return isinstance(self.aux_reduce, str) and self.aux_reduce == "stack"
 
     def differentiated(self, args: tuple[Any, ...]) -> Any:
         """The differentiated arguments, shaped as ``jax.grad`` returns their gradients."""
@@ -104,6 +145,24 @@ def _with_remat(fun: Callable[..., Any], remat: bool | RematPolicy | None) -> Ca
     if callable(remat):
         return jax.checkpoint(fun, policy=remat)
     raise TypeError(f"remat must be a bool or a jax.checkpoint policy; got {remat!r}")
+
+
+def split_carry(cfg: Config, out: Any) -> tuple[Any, tuple[Any, ...]]:
+    """With ``carry_argnums``, ``fun`` returns ``(output, new_carry)``: splits them."""
+    if not cfg.carry_argnums:
+        return out, ()
+    if not (isinstance(out, (tuple, list)) and len(out) == 2):
+        raise TypeError(
+            f"with carry_argnums={cfg.carry_argnums}, fun must return (output, new_carry); got "
+            f"{type(out).__name__}: {out!r}"
+        )
+    new = out[1] if len(cfg.carry_argnums) > 1 else (out[1],)
+    if not (isinstance(new, (tuple, list)) and len(new) == len(cfg.carry_argnums)):
+        raise TypeError(
+            f"with carry_argnums={cfg.carry_argnums}, new_carry must be a tuple of "
+            f"{len(cfg.carry_argnums)} values; got {type(out[1]).__name__}"
+        )
+    return out[0], tuple(new)
 
 
 def split_output(out: Any, *, has_aux: bool, weighted: bool) -> tuple[Any, Any, Any]:
@@ -170,65 +229,102 @@ def with_microbatch(cfg: Config, args: tuple[Any, ...], batch: tuple[Any, ...]) 
     )
 
 
-def check_output(cfg: Config, args: tuple[Any, ...], batch: tuple[Any, ...]) -> Any:
-    """Traces ``fun`` abstractly on one micro-batch; checks the loss (and weight) are scalars."""
-    first = lambda b: cfg.fun(*with_microbatch(cfg, args, jax.tree.map(lambda x: x[0], b)))  # noqa: E731
-    out = jax.eval_shape(first, batch)  # indexing inside keeps sharding types
-    loss, weight, _ = split_output(out, has_aux=cfg.has_aux, weighted=cfg.weighted)
+def check_output(
+    cfg: Config, args: tuple[Any, ...], batch: tuple[Any, ...]
+) -> tuple[Any, Any]:
+    """Traces ``fun`` abstractly on one micro-batch; returns the abstract ``(loss, aux)``.
+
+    Checks that the loss (and weight) are scalars and that every carried argument comes back
+    with the structure, shapes and dtypes it came in with.
+    """
+
+    def first(b: tuple[Any, ...]) -> Any:  # indexing inside keeps sharding types
+        return cfg.fun(*with_microbatch(cfg, args, jax.tree.map(lambda x: x[0], b)))
+
+    out, new_carry = split_carry(cfg, jax.eval_shape(first, batch))
+    loss, weight, aux = split_output(out, has_aux=cfg.has_aux, weighted=cfg.weighted)
     _validation.scalar(loss, "the loss returned by fun", floating=True)
     if cfg.weighted:
         _validation.scalar(weight, "the weight returned by fun (weighted=True)", floating=False)
-    return loss
+    for i, old, new in zip(cfg.carry_argnums, cfg.carried(args), new_carry, strict=True):
+        _validation.same_structure(old, new, f"carry_argnums: argument {i}")
+    return loss, aux
 
 
 # --- scan (micro-step) --------------------------------------------------------------------------
 
 
-def zero_sums(cfg: Config, args: tuple[Any, ...], loss: Any) -> Sums:
-    """The accumulator before the first micro-batch."""
+def zero_sums(cfg: Config, args: tuple[Any, ...], loss: Any, aux: Any = None) -> Sums:
+    """The accumulator before the first micro-batch (``aux``: the abstract aux, if reduced)."""
+    aux_accs = None
+    if not cfg.stacks_all_aux:
+        aux_accs = _reductions.aux_init(
+            _reductions.aux_plan(cfg.aux_reduce, aux), jax.tree.leaves(aux)
+        )
     return Sums(
         loss=jnp.zeros((), _reductions.accumulator_dtype_for(loss.dtype, cfg.accumulator_dtype)),
         grads=_reductions.zeros_accumulator(cfg.differentiated(args), cfg.accumulator_dtype),
         weight=jnp.zeros((), jnp.float32),
         skipped=jnp.zeros((), jnp.int32),
+        carry=tuple(jax.tree.map(jnp.asarray, c) for c in cfg.carried(args)),
+        aux=aux_accs,
     )
 
 
 def micro_step(cfg: Config, args: tuple[Any, ...], sums: Sums) -> tuple[Sums, Any]:
-    """Evaluates ``fun`` and its gradient on one micro-batch and adds them into ``sums``."""
+    """Evaluates ``fun`` and its gradient on one micro-batch and adds them into ``sums``.
 
-    def with_weight(*a: Any) -> tuple[jax.Array, tuple[Any, Any]]:
-        loss, weight, aux = split_output(cfg.fun(*a), has_aux=cfg.has_aux, weighted=cfg.weighted)
-        return loss, (weight, aux)
+    The carried arguments in ``args`` are replaced by ``sums.carry``; their new values
+    (dropped for a skipped micro-batch) go back into the returned sums. Returns the new sums
+    and what the scan stacks (the aux, or its stacked leaves).
+    """
+
+    def with_weight(*a: Any) -> tuple[jax.Array, tuple[Any, Any, Any]]:
+        out, new_carry = split_carry(cfg, cfg.fun(*a))
+        loss, weight, aux = split_output(out, has_aux=cfg.has_aux, weighted=cfg.weighted)
+        return loss, (weight, aux, new_carry)
 
     grad_fun = jax.value_and_grad(with_weight, argnums=cfg.argnums, has_aux=True)
+    args = cfg.with_carry(args, sums.carry)
     if cfg.pin_in_loop:
         pinned, sums = jax.lax.optimization_barrier((cfg.differentiated(args), sums))
         args = replace_differentiated(cfg, args, pinned)
-    (loss, (weight, aux)), grads = grad_fun(*args)
+    (loss, (weight, aux, new_carry)), grads = grad_fun(*args)
     loss = loss.astype(sums.loss.dtype)
     if weight is None and not cfg.skip_nonfinite:  # unweighted: a plain sum, divided by k
-        return Sums(
+        w = jnp.ones((), jnp.float32)
+        new_sums = sums._replace(
             loss=sums.loss + loss,
             grads=jax.tree.map(lambda acc, g: (acc + g).astype(acc.dtype), sums.grads, grads),
             weight=sums.weight + 1,
-            skipped=sums.skipped,
-        ), aux
-    w = jnp.ones((), jnp.float32) if weight is None else jax.lax.stop_gradient(weight)
-    w = jnp.asarray(w).astype(jnp.float32)
-    skipped = sums.skipped
-    if cfg.skip_nonfinite:
-        w, bad = _reductions.skip_if_nonfinite(w, _reductions.all_finite((loss, grads)))
-        skipped = skipped + bad.astype(jnp.int32)
-    grads_sum = jax.tree.map(
-        lambda acc, g: _add_weighted(acc, g, w), sums.grads, grads
+        )
+    else:
+        w = jnp.ones((), jnp.float32) if weight is None else jax.lax.stop_gradient(weight)
+        w = jnp.asarray(w).astype(jnp.float32)
+        skipped = sums.skipped
+        if cfg.skip_nonfinite:
+            w, bad = _reductions.skip_if_nonfinite(w, _reductions.all_finite((loss, grads)))
+            skipped = skipped + bad.astype(jnp.int32)
+            new_carry = jax.tree.map(  # a skipped micro-batch's state update is dropped too
+                lambda old, new: jnp.where(bad, old, new), sums.carry, new_carry
+            )
+        new_sums = sums._replace(
+            loss=_reductions.weighted_add(sums.loss, loss, w),
+            grads=jax.tree.map(lambda acc, g: _add_weighted(acc, g, w), sums.grads, grads),
+            weight=_reductions.add_weight(sums.weight, w),
+            skipped=skipped,
+        )
+    new_sums = new_sums._replace(
+        carry=jax.tree.map(lambda old, new: jnp.asarray(new).astype(old.dtype), sums.carry,
+                           tuple(new_carry))
     )
-    return Sums(
-        loss=_reductions.weighted_add(sums.loss, loss, w),
-        grads=grads_sum,
-        weight=_reductions.add_weight(sums.weight, w),
-        skipped=skipped,
-    ), aux
+    if cfg.stacks_all_aux:
+        return new_sums, aux
+    leaves = jax.tree.leaves(aux)
+    accs, stacked = _reductions.aux_update(
+        _reductions.aux_plan(cfg.aux_reduce, aux), sums.aux, leaves, w
+    )
+    return new_sums._replace(aux=accs), stacked
 
 
 def _add_weighted(acc: jax.Array, g: jax.Array, w: jax.Array) -> jax.Array:
@@ -249,27 +345,37 @@ def scan_microbatches(
     k: int,
     sums: Sums | None = None,
     batches: tuple[Any, ...] | None = None,
-) -> tuple[Sums, Any, Any]:
+) -> Scanned:
     """Runs :func:`micro_step` over ``k`` strided micro-batches in one ``lax.scan``.
 
-    Returns ``(sums, stacked_aux, abstract_loss)``. ``sums`` (the starting accumulator) and
-    ``batches`` (already split) may be given by a caller that places them on a mesh. With
-    ``k == 1`` no scan is emitted: the cost is that of a plain ``jax.value_and_grad``.
+    ``sums`` (the starting accumulator) and ``batches`` (already split) may be given by a
+    caller that places them on a mesh. With ``k == 1`` no scan is emitted: the cost is that of
+    a plain ``jax.value_and_grad``.
     """
     if batches is None:
         batches = split_microbatches(cfg, args, k)
-    loss = check_output(cfg, args, batches)
-    start = zero_sums(cfg, args, loss) if sums is None else sums
+    loss, aux = check_output(cfg, args, batches)
+    start = zero_sums(cfg, args, loss, aux) if sums is None else sums
 
     def body(sums: Sums, batch: tuple[Any, ...]) -> tuple[Sums, Any]:
         return micro_step(cfg, with_microbatch(cfg, args, batch), sums)
 
     if k == 1:
-        out, aux = body(start, jax.tree.map(lambda x: x[0], batches))
-        aux = jax.tree.map(lambda x: jnp.expand_dims(jnp.asarray(x), 0), aux)
+        out, ys = body(start, jax.tree.map(lambda x: x[0], batches))
+        ys = jax.tree.map(lambda x: jnp.expand_dims(jnp.asarray(x), 0), ys)
     else:
-        out, aux = jax.lax.scan(body, start, batches, unroll=cfg.unroll)
-    return out, aux, loss
+        out, ys = jax.lax.scan(body, start, batches, unroll=cfg.unroll)
+    return Scanned(out, ys, loss, aux)
+
+
+def finish_aux(cfg: Config, scanned: Scanned, total: jax.Array, k: int) -> Any:
+    """The aux value: stacked, or each leaf reduced across the ``k`` micro-batches."""
+    if cfg.stacks_all_aux:
+        return scanned.ys
+    plan = _reductions.aux_plan(cfg.aux_reduce, scanned.aux)
+    leaves = jax.tree.leaves(scanned.aux)
+    out = _reductions.aux_finalize(plan, scanned.sums.aux, scanned.ys, leaves, total, k)
+    return jax.tree.unflatten(jax.tree.structure(scanned.aux), out)
 
 
 # --- finalize -----------------------------------------------------------------------------------
@@ -307,9 +413,11 @@ def accumulate(
     if sharding is not None:
         return sharding.accumulate(cfg, args, batch_size, num_microbatches, microbatch_size)
     k = _validation.resolve_num_microbatches(batch_size, num_microbatches, microbatch_size)
-    sums, aux, loss = scan_microbatches(cfg, args, k)
-    mean_loss, grads = finalize(cfg, sums, args, loss)
-    return Accumulated(mean_loss, grads, aux, sums.weight, sums.skipped, k)
+    scanned = scan_microbatches(cfg, args, k)
+    sums = scanned.sums
+    mean_loss, grads = finalize(cfg, sums, args, scanned.loss)
+    aux = finish_aux(cfg, scanned, sums.weight, k)
+    return Accumulated(mean_loss, grads, aux, sums.weight, sums.skipped, k, sums.carry)
 
 
 def make_config(
@@ -323,6 +431,8 @@ def make_config(
     remat: bool | RematPolicy,
     unroll: int | bool,
     skip_nonfinite: bool,
+    carry_argnums: int | tuple[int, ...] = (),
+    aux_reduce: Any = "stack",
 ) -> Config:
     """Checks the construction arguments and fixes them in a :class:`Config`."""
     if not callable(fun):
@@ -334,6 +444,20 @@ def make_config(
             f"argnums={argnums!r} and batch_argnums={batch_argnums!r} overlap; the batch is split "
             "and cannot be differentiated as a whole"
         )
+    carried = () if carry_argnums == () else _validation.argnums_tuple(
+        carry_argnums, "carry_argnums"
+    )
+    clash = set(carried) & (set(diff_argnums) | set(split_argnums))
+    if clash:
+        raise ValueError(
+            f"carry_argnums={carry_argnums!r} overlaps argnums={argnums!r} or "
+            f"batch_argnums={batch_argnums!r} at {sorted(clash)}: a carried argument is "
+            "threaded through the micro-batches, neither differentiated nor split"
+        )
+    if aux_reduce != "stack" and not has_aux:
+        raise ValueError(f"aux_reduce={aux_reduce!r} was given without has_aux=True")
+    if isinstance(aux_reduce, str):
+        _reductions.aux_plan(aux_reduce, 0)  # checks the name now
     return Config(
         fun=_with_remat(fun, remat),
         argnums=argnums if isinstance(argnums, int) else diff_argnums,
@@ -344,6 +468,8 @@ def make_config(
         accumulator_dtype=accumulator_dtype,
         unroll=unroll,
         skip_nonfinite=skip_nonfinite,
+        carry_argnums=carried,
+        aux_reduce=aux_reduce,
     )
 
 
@@ -351,7 +477,7 @@ def bind_call(
     cfg: Config, args: tuple[Any, ...], kwargs: dict[str, Any], argnums: Any, batch_argnums: Any
 ) -> Config:
     """Checks the call's positional count; binds keyword arguments (passed whole, not split)."""
-    needed = max(cfg.diff_argnums + cfg.split_argnums) + 1
+    needed = max(cfg.diff_argnums + cfg.split_argnums + cfg.carry_argnums) + 1
     if len(args) < needed:
         raise TypeError(
             f"argnums={argnums!r}, batch_argnums={batch_argnums!r} need at least {needed} "
@@ -378,6 +504,8 @@ def value_and_grad(
     data_axis: str | tuple[str, ...] | None = None,
     fsdp: str = "step",
     skip_nonfinite: bool = False,
+    carry_argnums: int | tuple[int, ...] = (),
+    aux_reduce: Any = "stack",
 ) -> Callable[..., tuple[Any, Any]]:
     """Like ``jax.value_and_grad``, but the batch is processed as k micro-batches in one scan.
 
@@ -437,10 +565,26 @@ def value_and_grad(
         micro-batches, and 0 if none remains. The value then carries a count: it is
         ``(loss, {"aux": aux or None, "skipped": int32 count, "num_microbatches": k})``.
         Without it a NaN propagates to the result (nothing is masked silently).
+      carry_argnums: positions of arguments that are *carried*: neither differentiated nor
+        split, but threaded through the micro-batches, micro-batch i + 1 seeing the value
+        micro-batch i returned, as k sequential forward passes would (BatchNorm running
+        statistics, RNG counters, caches). ``fun`` then returns ``(output, new_value)`` (a
+        tuple of new values for several carried arguments), each with the structure, shapes
+        and dtypes it came in with (else a ``TypeError`` naming the argument and both
+        structures). The value comes back as ``(value, carried)``. With ``skip_nonfinite`` a
+        skipped micro-batch's update of the carried state is dropped too. With a mesh, its
+        axes must be Explicit (every micro-batch is then one global array).
+      aux_reduce: how the aux values are combined across micro-batches, per leaf: one of
+        ``"stack"`` (default: a new leading axis of length k), ``"sum"``, ``"mean"``,
+        ``"weighted_mean"`` (by the micro-batch weights), ``"max"``, ``"min"``, ``"last"``, or
+        a pytree prefix of the aux with those names as leaves (e.g. ``{"tokens": "sum",
+        "amax": "max", "logits": "stack"}``). Reduced leaves are accumulated in the scan's
+        carry, not stacked.
 
     Returns:
       A function with the signature of ``fun`` returning ``(value, grads)``, where ``value`` is
-      the loss, or ``(loss, stacked_aux)`` with ``has_aux``.
+      the loss, or ``(loss, aux)`` with ``has_aux``; with ``carry_argnums``, ``(that,
+      carried)``.
 
     Raises:
       ValueError: at construction when both or neither of ``num_microbatches`` and
@@ -480,6 +624,8 @@ def value_and_grad(
         remat=remat,
         unroll=unroll,
         skip_nonfinite=skip_nonfinite,
+        carry_argnums=carry_argnums,
+        aux_reduce=aux_reduce,
     )
     sharding = _sharding.data_parallel(mesh, data_axis, fsdp)
 
@@ -492,13 +638,23 @@ def value_and_grad(
     return accumulated
 
 
-def shape_value(cfg: Config, out: Accumulated) -> Any:
-    """``value_and_grad``'s value: the loss, ``(loss, aux)``, or with ``skip_nonfinite`` a dict."""
+def shape_value(cfg: Config, out: Accumulated, with_carry: bool = True) -> Any:
+    """``value_and_grad``'s value: the loss, ``(loss, aux)``, or with ``skip_nonfinite`` a dict;
+    with ``carry_argnums``, ``(that, new_carry)``."""
     if cfg.skip_nonfinite:
         info = {
             "aux": out.aux if cfg.has_aux else None,
             "skipped": out.skipped,
             "num_microbatches": out.num_microbatches,
         }
-        return out.loss, info
-    return (out.loss, out.aux) if cfg.has_aux else out.loss
+        value: Any = (out.loss, info)
+    else:
+        value = (out.loss, out.aux) if cfg.has_aux else out.loss
+    if with_carry and cfg.carry_argnums:
+        return value, carry_value(cfg, out.carry)
+    return value
+
+
+def carry_value(cfg: Config, carry: tuple[Any, ...]) -> Any:
+    """The carried values as the caller gave ``carry_argnums``: one value for an int."""
+    return carry if len(cfg.carry_argnums) > 1 else carry[0]

@@ -105,3 +105,106 @@ def skip_if_nonfinite(weight: jax.Array, finite: jax.Array) -> tuple[jax.Array, 
     """
     skipped = jnp.logical_and(weight != 0, jnp.logical_not(jnp.logical_and(finite, weight > 0)))
     return jnp.where(skipped, jnp.zeros_like(weight), weight), skipped
+
+
+# --- aux values across micro-batches ------------------------------------------------------------
+
+AUX_REDUCTIONS = ("stack", "sum", "mean", "weighted_mean", "max", "min", "last")
+
+
+def aux_plan(aux_reduce: Any, aux: Any) -> list[str]:
+    """One reduction name per leaf of ``aux`` (flattened), from a prefix tree of names.
+
+    ``aux_reduce`` is a name from :data:`AUX_REDUCTIONS` for every leaf, or a pytree prefix
+    of ``aux`` whose leaves are names (e.g. ``{"tokens": "sum", "logits": "stack"}``).
+    """
+    try:
+        per_leaf = jax.tree.map(
+            lambda name, sub: jax.tree.map(lambda _: name, sub),
+            aux_reduce,
+            aux,
+            is_leaf=lambda x: isinstance(x, str),
+        )
+    except (ValueError, TypeError) as error:
+        raise ValueError(
+            f"aux_reduce={aux_reduce!r} must be one of {AUX_REDUCTIONS} or a pytree prefix of "
+            f"the aux value {jax.tree.structure(aux)} with those names as leaves: {error}"
+        ) from None
+    names = jax.tree.leaves(per_leaf, is_leaf=lambda x: isinstance(x, str))
+    bad = sorted({n for n in names if n not in AUX_REDUCTIONS}, key=str)
+    if bad:
+        raise ValueError(
+            f"aux_reduce: unknown reduction(s) {bad}; expected one of {AUX_REDUCTIONS}"
+        )
+    return names
+
+
+def _extreme(dtype: Any, largest: bool) -> Any:
+    if jnp.issubdtype(dtype, jnp.inexact):
+        return jnp.inf if largest else -jnp.inf
+    if jnp.issubdtype(dtype, jnp.integer):
+        info = jnp.iinfo(dtype)
+        return info.max if largest else info.min
+    return largest
+
+
+def aux_init(plan: list[str], leaves: list[Any]) -> list[Any]:
+    """The accumulators of the reduced aux leaves (``None`` where a leaf is stacked)."""
+    out: list[Any] = []
+    for name, leaf in zip(plan, leaves, strict=True):
+        shape, dtype = jnp.shape(leaf), leaf_dtype(leaf)
+        if name == "stack":
+            out.append(None)
+        elif name in ("sum", "mean", "weighted_mean"):
+            acc = jnp.promote_types(dtype, jnp.float32) if name != "sum" else dtype
+            if name == "sum" and jnp.issubdtype(dtype, jnp.floating):
+                acc = jnp.promote_types(dtype, jnp.float32)
+            out.append(jnp.zeros(shape, acc))
+        elif name == "max":
+            out.append(jnp.full(shape, _extreme(dtype, largest=False), dtype))
+        elif name == "min":
+            out.append(jnp.full(shape, _extreme(dtype, largest=True), dtype))
+        else:  # last
+            out.append(jnp.zeros(shape, dtype))
+    return out
+
+
+def aux_update(
+    plan: list[str], accs: list[Any], leaves: list[Any], weight: jax.Array
+) -> tuple[list[Any], list[Any]]:
+    """Adds one micro-batch's aux leaves: returns (new accumulators, the leaves to stack)."""
+    new: list[Any] = []
+    stacked: list[Any] = []
+    for name, acc, x in zip(plan, accs, leaves, strict=True):
+        x = jnp.asarray(x)
+        stacked.append(x if name == "stack" else None)
+        if name == "stack":
+            new.append(None)
+        elif name in ("sum", "mean"):
+            new.append(acc + x.astype(acc.dtype))
+        elif name == "weighted_mean":
+            new.append(weighted_add(acc, x, weight))
+        elif name == "max":
+            new.append(jnp.maximum(acc, x))
+        elif name == "min":
+            new.append(jnp.minimum(acc, x))
+        else:
+            new.append(x.astype(acc.dtype))
+    return new, stacked
+
+
+def aux_finalize(
+    plan: list[str], accs: list[Any], stacked: list[Any], leaves: list[Any], total: Any, k: int
+) -> list[Any]:
+    """The reduced (or stacked) aux leaves, cast back to the dtypes ``fun`` returned."""
+    out = []
+    for name, acc, ys, like in zip(plan, accs, stacked, leaves, strict=True):
+        if name == "stack":
+            out.append(ys)
+        elif name == "mean":
+            out.append((acc / k).astype(jnp.promote_types(leaf_dtype(like), jnp.float32)))
+        elif name == "weighted_mean":
+            out.append(safe_divide(acc, total))
+        else:
+            out.append(acc)
+    return out

@@ -212,7 +212,7 @@ class DataParallel:
             reduced = jax.tree.map(choice, diff)
             trial = self._explicit_args(cfg, args, diff, specs, reduced)
             try:
-                loss = _accumulate.check_output(trial[0], trial[1], batches)
+                loss, aux_like = _accumulate.check_output(trial[0], trial[1], batches)
                 break
             except Exception as error:  # jax's ShardingTypeError is not public
                 if type(error).__name__ != "ShardingTypeError" or choice is choices[-1]:
@@ -227,13 +227,17 @@ class DataParallel:
             unreduced = set(self.axes) if r else set()
             return self._reshard(z, P(*self.without_data(spec, x.ndim), unreduced=unreduced))
 
-        sums = _accumulate.zero_sums(cfg, cast_args, loss)._replace(
+        sums = _accumulate.zero_sums(cfg, cast_args, loss, aux_like)._replace(
             grads=jax.tree.map(zeros, diff, specs, per_microbatch, reduced)
         )
-        sums, aux, _ = _accumulate.scan_microbatches(inner_cfg, cast_args, k, sums, batches)
+        scanned = _accumulate.scan_microbatches(inner_cfg, cast_args, k, sums, batches)
+        sums = scanned.sums
         grads = jax.tree.map(lambda g, s: self._reshard(g, s), sums.grads, specs)  # the reduction
         mean_loss, grads = _accumulate.finalize(cfg, sums._replace(grads=grads), args, loss)
-        return _accumulate.Accumulated(mean_loss, grads, aux, sums.weight, sums.skipped, k)
+        aux = _accumulate.finish_aux(cfg, scanned, sums.weight, k)
+        return _accumulate.Accumulated(
+            mean_loss, grads, aux, sums.weight, sums.skipped, k, sums.carry
+        )
 
     def _explicit_args(
         self, cfg: _accumulate.Config, args: tuple[Any, ...], diff: Any, specs: Any, reduced: Any
@@ -262,6 +266,14 @@ class DataParallel:
     def _auto(
         self, cfg: _accumulate.Config, args: tuple[Any, ...], k: int
     ) -> _accumulate.Accumulated:
+        if cfg.carry_argnums:
+            raise ValueError(
+                f"carry_argnums={cfg.carry_argnums} with a mesh whose data axes {self.axes} are "
+                "Auto: each device would see only its share of every micro-batch, so carried "
+                "state (BatchNorm statistics) would differ from the single-device run; use a "
+                "mesh with Explicit axes (jax.make_mesh's default), where every micro-batch is "
+                "one global array"
+            )
         args = tuple(jax.tree.map(jnp.asarray, a) for a in args)
         in_specs = tuple(
             jax.tree.map(lambda x: self.batch_spec(x.ndim), a)
@@ -304,7 +316,16 @@ class DataParallel:
                     cfg, local_args, jax.tree.map(
                         gather, cfg.differentiated(local_args), diff_specs,
                         is_leaf=lambda s: isinstance(s, P)))
-            sums, aux, loss = _accumulate.scan_microbatches(inner_cfg, local_args, k)
+            scanned = _accumulate.scan_microbatches(inner_cfg, local_args, k)
+            sums, loss = scanned.sums, scanned.loss
+            if cfg.stacks_all_aux:
+                per_device = scanned.ys
+            else:  # stacked leaves, and each reduced leaf's raw accumulator, stacked per device
+                traced["aux"] = scanned.aux
+                per_device = [
+                    ys if acc is None else jnp.expand_dims(acc, 0)
+                    for ys, acc in zip(scanned.ys, sums.aux, strict=True)
+                ]
             if per_microbatch:  # already reduce-scattered over the axes the leaf is split on
                 grads = jax.tree.map(
                     lambda g, s: self._psum_rest(g, s), sums.grads, diff_specs, is_leaf=is_spec
@@ -314,7 +335,9 @@ class DataParallel:
             totals = jax.lax.psum((sums.loss, sums.weight, sums.skipped), self.axes)
             sums = _accumulate.Sums(totals[0], grads, totals[1], totals[2])
             mean_loss, grads = _accumulate.finalize(cfg, sums, local_args, loss)
-            return mean_loss, grads, aux, sums.weight, sums.skipped
+            return mean_loss, grads, per_device, sums.weight, sums.skipped
+
+        traced: dict[str, Any] = {}
 
         out = jax.shard_map(
             local,
@@ -325,7 +348,33 @@ class DataParallel:
             check_vma=False,
         )(*args)
         loss, grads, aux, weight, skipped = out
+        if not cfg.stacks_all_aux:
+            aux = _combine_aux(cfg, traced["aux"], aux, weight, k * self.devices)
         return _accumulate.Accumulated(loss, grads, aux, weight, skipped, k * self.devices)
+
+
+def _combine_aux(cfg: _accumulate.Config, like: Any, per_device: list[Any], total: Any,
+                 k: int) -> Any:
+    """Reduced aux leaves: combines the devices' raw accumulators (stacked on axis 0)."""
+    plan = _reductions.aux_plan(cfg.aux_reduce, like)
+    accs: list[Any] = []
+    stacked: list[Any] = []
+    for name, value in zip(plan, per_device, strict=True):
+        if name == "stack":
+            accs.append(None)
+            stacked.append(value)
+            continue
+        stacked.append(None)
+        if name in ("sum", "mean", "weighted_mean"):
+            accs.append(jnp.sum(value, axis=0))
+        elif name == "max":
+            accs.append(jnp.max(value, axis=0))
+        elif name == "min":
+            accs.append(jnp.min(value, axis=0))
+        else:  # last: the last device holds the last examples
+            accs.append(value[-1])
+    leaves = _reductions.aux_finalize(plan, accs, stacked, jax.tree.leaves(like), total, k)
+    return jax.tree.unflatten(jax.tree.structure(like), leaves)
 
 
 def _gather_inside(cfg: _accumulate.Config, gather: Any) -> _accumulate.Config:

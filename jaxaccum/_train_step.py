@@ -85,11 +85,15 @@ class TrainStep:
                     hints[:2],
                     is_leaf=lambda s: s is None or isinstance(s, NamedSharding),
                 )
-            value = _accumulate.shape_value(cfg, out)
+            value = _accumulate.shape_value(cfg, out, with_carry=False)
             loss, aux = value if cfg.has_aux or cfg.skip_nonfinite else (value, None)
+            if cfg.carry_argnums:
+                return new_params, new_state, loss, aux, _accumulate.carry_value(cfg, out.carry)
             return new_params, new_state, loss, aux
 
-        return jax.jit(step, donate_argnums=(0, 1) if self._donate else ())
+        # loss_fn's argument i >= 2 is the step's argument i + 1 (opt_state comes second)
+        donated = (0, 1, *(i + 1 for i in cfg.carry_argnums)) if self._donate else ()
+        return jax.jit(step, donate_argnums=donated)
 
     def _jitted(self, args: tuple[Any, ...]) -> Any:
         hints = None
@@ -143,6 +147,8 @@ def train_step(
     mesh: jax.sharding.Mesh | None = None,
     data_axis: str | tuple[str, ...] | None = None,
     fsdp: str = "step",
+    carry_argnums: int | tuple[int, ...] = (),
+    aux_reduce: Any = "stack",
 ) -> TrainStep:
     """Builds one jitted optimizer step over a batch split into micro-batches.
 
@@ -176,12 +182,18 @@ def train_step(
       mesh: see :func:`jaxaccum.value_and_grad`.
       data_axis: see :func:`jaxaccum.value_and_grad`.
       fsdp: see :func:`jaxaccum.value_and_grad`.
+      carry_argnums: positions in ``loss_fn(params, batch, *rest)`` (>= 2) of arguments
+        threaded through the micro-batches (BatchNorm statistics, RNG counters; see
+        :func:`jaxaccum.value_and_grad`). They are donated and their final values returned.
+      aux_reduce: see :func:`jaxaccum.value_and_grad`.
 
     Returns:
       A :class:`TrainStep`: ``step(params, opt_state, batch, *rest) -> (params, opt_state,
       loss, aux)``, with ``lower``/``trace`` like a jitted function. ``aux`` is the stacked
       aux with ``has_aux``, ``None`` without it; with ``skip_nonfinite`` it is the dict
       ``{"aux": stacked aux or None, "skipped": int32 count, "num_microbatches": k}``.
+      With ``carry_argnums`` the step returns a fifth value, the carried arguments' final
+      values (one value, or a tuple for several).
 
     Raises:
       ValueError: as :func:`jaxaccum.value_and_grad`.
@@ -213,6 +225,13 @@ def train_step(
         remat=remat,
         unroll=unroll,
         skip_nonfinite=skip_nonfinite,
+        carry_argnums=carry_argnums,
+        aux_reduce=aux_reduce,
     )
+    if any(i < 2 for i in cfg.carry_argnums):
+        raise ValueError(
+            f"carry_argnums={carry_argnums!r}: in train_step, loss_fn(params, batch, *rest) "
+            "can carry only arguments of rest (positions >= 2)"
+        )
     sharding = _sharding.data_parallel(mesh, data_axis, fsdp)
     return TrainStep(cfg, optimizer, (num_microbatches, microbatch_size), sharding, donate)

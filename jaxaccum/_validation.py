@@ -128,3 +128,30 @@ def floating_leaves(tree: Any, what: str, why: str) -> None:
             raise TypeError(
                 f"{what}: leaf {jax.tree_util.keystr(path) or '.'} has dtype {dtype}; {why}"
             )
+
+
+def same_structure(old: Any, new: Any, what: str) -> None:
+    """Checks that ``new`` has the tree structure, shapes and dtypes of ``old``, naming both."""
+
+    def describe(tree: Any) -> str:
+        leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+        parts = [
+            f"{jax.tree_util.keystr(p) or '.'}: {jnp.result_type(x)}{list(np.shape(x))}"
+            for p, x in leaves
+        ]
+        return f"{jax.tree.structure(tree)} with leaves {{{', '.join(parts)}}}"
+
+    if str(jax.tree.structure(old)) != str(jax.tree.structure(new)):
+        raise TypeError(
+            f"{what}: fun must return the carried value with the structure it came in with; "
+            f"came in as {describe(old)}, came back as {describe(new)}"
+        )
+    for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(old)[0], jax.tree.leaves(new),
+                            strict=True):
+        if np.shape(a) != np.shape(b) or jnp.result_type(a) != jnp.result_type(b):
+            raise TypeError(
+                f"{what}: leaf {jax.tree_util.keystr(path) or '.'} came in as "
+                f"{jnp.result_type(a)}{list(np.shape(a))} and came back as "
+                f"{jnp.result_type(b)}{list(np.shape(b))}; came in as {describe(old)}, came "
+                f"back as {describe(new)}"
+            )

@@ -1,0 +1,152 @@
+"""Carried state (threaded through the micro-batches) and per-leaf aux reductions."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from conftest import assert_trees_close, mlp_apply, mlp_params, random_batch
+
+import jaxaccum
+
+PARAMS = mlp_params(jax.random.key(0))
+BATCH = random_batch(jax.random.key(1), 64)
+MOMENTUM = 0.9
+
+
+def bn_loss(params, batch, stats):
+    """An MLP with a BatchNorm-like running mean: train mode normalises by the micro-batch mean
+    and updates the running statistics, as flax's BatchNorm does."""
+    x, y = batch
+    h = x @ params["layer0"]["w"] + params["layer0"]["b"]
+    mean = jnp.mean(h, axis=0)
+    h = jnp.tanh(h - mean)
+    out = h @ params["layer1"]["w"] + params["layer1"]["b"]
+    new = {
+        "mean": MOMENTUM * stats["mean"] + (1 - MOMENTUM) * jax.lax.stop_gradient(mean),
+        "count": stats["count"] + 1,
+    }
+    return jnp.mean((out - y) ** 2), new
+
+
+STATS = {"mean": jnp.zeros(16), "count": jnp.zeros((), jnp.int32)}
+
+
+def sequential(k, stats=STATS):
+    """The reference: k micro-batches (strided) run one after the other by hand."""
+    grads, losses = [], []
+    for i in range(k):
+        micro = jax.tree.map(lambda a, i=i: a[i::k], BATCH)
+        (loss, stats), g = jax.value_and_grad(bn_loss, has_aux=True)(PARAMS, micro, stats)
+        grads.append(g)
+        losses.append(loss)
+    mean = jax.tree.map(lambda *gs: sum(gs) / k, *grads)
+    return sum(losses) / k, mean, stats
+
+
+@pytest.mark.parametrize("k", [1, 4, 8])
+def test_carried_state_equals_sequential_microbatches(k):
+    fn = jaxaccum.value_and_grad(bn_loss, num_microbatches=k, carry_argnums=2)
+    (loss, stats), grads = jax.jit(fn)(PARAMS, BATCH, STATS)
+    ref_loss, ref_grads, ref_stats = sequential(k)
+    assert int(stats["count"]) == k
+    assert_trees_close(stats["mean"], ref_stats["mean"], 1e-6)
+    assert_trees_close((loss, grads), (ref_loss, ref_grads), 1e-6)
+
+
+def test_carried_state_with_skip_nonfinite_drops_the_bad_update():
+    x, y = BATCH
+    bad = (x.at[1].set(jnp.nan), y)  # strided micro-batch 1 of 4
+    fn = jaxaccum.value_and_grad(bn_loss, num_microbatches=4, carry_argnums=2,
+                                 skip_nonfinite=True)
+    ((_, info), stats), _ = jax.jit(fn)(PARAMS, bad, STATS)
+    assert int(info["skipped"]) == 1
+    assert int(stats["count"]) == 3  # the skipped micro-batch did not count
+    assert bool(jnp.all(jnp.isfinite(stats["mean"])))
+
+
+def test_carried_state_in_train_step_is_donated_and_returned():
+    opt = optax.sgd(0.1)
+    step = jaxaccum.train_step(bn_loss, opt, num_microbatches=4, carry_argnums=2)
+    params = jax.tree.map(jnp.array, PARAMS)
+    stats = jax.tree.map(jnp.array, STATS)
+    params, _, loss, aux, new_stats = step(params, opt.init(params), BATCH, stats)
+    assert aux is None and int(new_stats["count"]) == 4
+    assert all(s.is_deleted() for s in jax.tree.leaves(stats))
+    assert_trees_close(new_stats["mean"], sequential(4)[2]["mean"], 1e-6)
+
+
+def test_carried_structure_mismatch_names_argument_and_structures():
+    def bad(params, batch, stats):
+        loss, new = bn_loss(params, batch, stats)
+        return loss, {"mean": new["mean"].astype(jnp.bfloat16), "count": new["count"]}
+
+    fn = jaxaccum.value_and_grad(bad, num_microbatches=2, carry_argnums=2)
+    with pytest.raises(TypeError, match=r"carry_argnums: argument 2: leaf \['mean'\] came in as "
+                       r"float32\[16\] and came back as bfloat16\[16\]"):
+        fn(PARAMS, BATCH, STATS)
+
+    def dropped(params, batch, stats):
+        loss, new = bn_loss(params, batch, stats)
+        return loss, {"mean": new["mean"]}
+
+    fn = jaxaccum.value_and_grad(dropped, num_microbatches=2, carry_argnums=2)
+    with pytest.raises(TypeError, match=r"carry_argnums: argument 2: fun must return the carried"):
+        fn(PARAMS, BATCH, STATS)
+
+
+def test_carry_overlapping_batch_or_argnums_is_rejected():
+    with pytest.raises(ValueError, match=r"carry_argnums=1 overlaps"):
+        jaxaccum.value_and_grad(bn_loss, num_microbatches=2, carry_argnums=1)
+
+
+# --- aux reductions -----------------------------------------------------------------------------
+
+
+def aux_loss(params, batch):
+    x, y, w = batch
+    pred = mlp_apply(params, x)
+    per = jnp.mean((pred - y) ** 2, axis=-1)
+    aux = {
+        "tokens": jnp.sum(w).astype(jnp.int32),
+        "loss": jnp.sum(per * w) / jnp.maximum(jnp.sum(w), 1),
+        "amax": jnp.max(jnp.abs(pred)),
+        "amin": jnp.min(pred),
+        "first": pred[0],
+    }
+    return (aux["loss"], jnp.sum(w)), aux
+
+
+@pytest.mark.parametrize("k", [1, 4, 8])
+def test_aux_reductions_match_the_stacked_values_reduced_by_hand(k):
+    w = (jnp.arange(64) % 3 != 0).astype(jnp.float32)
+    batch = (*BATCH, w)
+    stacked_fn = jaxaccum.value_and_grad(aux_loss, num_microbatches=k, has_aux=True,
+                                         weighted=True)
+    (_, stacked), _ = jax.jit(stacked_fn)(PARAMS, batch)
+    spec = {"tokens": "sum", "loss": "weighted_mean", "amax": "max", "amin": "min",
+            "first": "last"}
+    fn = jaxaccum.value_and_grad(aux_loss, num_microbatches=k, has_aux=True, weighted=True,
+                                 aux_reduce=spec)
+    (_, reduced), _ = jax.jit(fn)(PARAMS, batch)
+    weights = np.asarray(stacked["tokens"], np.float64)
+    assert int(reduced["tokens"]) == int(np.sum(stacked["tokens"])) == 64 - 22
+    np.testing.assert_allclose(
+        reduced["loss"], np.sum(weights * stacked["loss"]) / np.sum(weights), rtol=1e-6)
+    assert float(reduced["amax"]) == float(np.max(stacked["amax"]))
+    assert float(reduced["amin"]) == float(np.min(stacked["amin"]))
+    np.testing.assert_array_equal(reduced["first"], stacked["first"][-1])
+    mean_fn = jaxaccum.value_and_grad(aux_loss, num_microbatches=k, has_aux=True, weighted=True,
+                                      aux_reduce="mean")
+    (_, means), _ = jax.jit(mean_fn)(PARAMS, batch)
+    np.testing.assert_allclose(means["amax"], np.mean(stacked["amax"]), rtol=1e-6)
+    assert reduced["tokens"].dtype == jnp.int32 and reduced["first"].shape == (4,)
+
+
+def test_unknown_aux_reduction_is_rejected():
+    with pytest.raises(ValueError, match=r"aux_reduce: unknown reduction\(s\) \['median'\]"):
+        jaxaccum.value_and_grad(aux_loss, num_microbatches=2, has_aux=True, aux_reduce="median")
+    with pytest.raises(ValueError, match=r"without has_aux=True"):
+        jaxaccum.value_and_grad(aux_loss, num_microbatches=2, aux_reduce="sum")
