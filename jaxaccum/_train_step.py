@@ -73,7 +73,7 @@ class TrainStep:
 
         def step(
             params: optax.Params, opt_state: optax.OptState, batch: Any, *rest: Any
-        ) -> tuple[optax.Params, optax.OptState, jax.Array, Any]:
+        ) -> tuple[Any, ...]:
             out = _accumulate.accumulate(cfg, (params, batch, *rest), *self._counts, sharding)
             new_params, new_state = apply_step(
                 optimizer, params, opt_state, out, cfg.divides_safely
