@@ -552,7 +552,10 @@ def value_and_grad(
         (it must divide the batch size). Each device scans over *its own* k micro-batches (so
         k and ``microbatch_size`` are per device), and the sums are reduced across the data
         axes once, after the scan; see :mod:`jaxaccum._sharding` for the parameter shardings
-        that are kept. The aux values come back stacked over devices and micro-batches.
+        that are kept. On a mesh with Explicit axes (``jax.make_mesh``'s default; call inside
+        ``with jax.set_mesh(mesh):``) micro-batch i is one global array sharded over the data
+        axes, and stacked aux has length k; on an Auto-axis mesh each device scans its own
+        share, and stacked aux has length devices x k.
       data_axis: the mesh axis (or axes) the batch is split over; may be omitted for a
         one-axis mesh.
       fsdp: for parameters sharded over a data axis (FSDP/ZeRO): ``"step"`` gathers each once

@@ -357,3 +357,56 @@ def test_plan_chooses_fsdp_option_with_k():
     assert r["tried"][-1] == [r["k"], r["fsdp"]]
     # ZeRO-3 is what makes the budget reachable at a smaller k than "step" alone would need
     assert r["totals"]["4/microbatch"] < r["totals"]["4/step"]
+
+
+CARRY = r"""
+import json, jax, jax.numpy as jnp, numpy as np, jaxaccum
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+jax.config.update("jax_default_matmul_precision", "highest")
+rng = np.random.default_rng(0)
+params = {"w1": rng.normal(size=(8, 16)).astype(np.float32) / 3,
+          "w2": rng.normal(size=(16, 4)).astype(np.float32) / 4}
+x = rng.normal(size=(256, 8)).astype(np.float32)
+y = rng.normal(size=(256, 4)).astype(np.float32)
+stats = {"mean": np.zeros(16, np.float32), "count": np.zeros((), np.int32)}
+
+def loss(p, b, s):  # BatchNorm-like: normalise by the micro-batch mean, update running stats
+    x, y = b
+    h = x @ p["w1"]
+    mean = jnp.mean(h, axis=0)
+    out = jnp.tanh(h - mean) @ p["w2"]
+    new = {"mean": 0.9 * s["mean"] + 0.1 * jax.lax.stop_gradient(mean), "count": s["count"] + 1}
+    return (jnp.mean((out - y) ** 2), {"first": jnp.max(out), "n": jnp.asarray(x.shape[0])}), new
+
+kw = dict(num_microbatches=4, has_aux=True, carry_argnums=2, aux_reduce={"first": "last", "n": "sum"})
+((l1, aux1), s1), g1 = jax.jit(jaxaccum.value_and_grad(loss, **kw))(params, (x, y), stats)
+mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
+with jax.set_mesh(mesh):
+    batch = jax.device_put((x, y), NamedSharding(mesh, P("data")))
+    fn = jax.jit(jaxaccum.value_and_grad(loss, mesh=mesh, **kw))
+    ((l2, aux2), s2), g2 = fn(params, batch, stats)
+rel = lambda a, b: max(float(np.max(np.abs(np.asarray(u) - np.asarray(v)))) for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b))) / max(float(np.max(np.abs(np.asarray(v)))) for v in jax.tree.leaves(b))
+out = {"grads": rel(g2, g1), "loss": rel(l2, l1), "stats": rel(s2["mean"], s1["mean"]),
+       "count": int(s2["count"]), "n": int(aux2["n"]), "n_single": int(aux1["n"]),
+       "first": rel(aux2["first"], aux1["first"])}
+auto = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
+try:
+    jaxaccum.value_and_grad(loss, mesh=auto, **kw)(params, (x, y), stats)
+except ValueError as e:
+    out["auto_error"] = str(e)
+print(json.dumps(out))
+"""
+
+
+def test_carried_state_and_aux_reductions_on_a_mesh_equal_single_device():
+    """Explicit mesh, 8 devices: every micro-batch is one global array, so the carried state
+    and the reduced aux equal the single-device run's (k = 4 on both)."""
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    proc = subprocess.run(
+        [sys.executable, "-c", CARRY], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert r["grads"] <= 1e-5 and r["loss"] <= 1e-5 and r["stats"] <= 1e-5, r
+    assert r["count"] == 4 and r["n"] == r["n_single"] == 256 and r["first"] <= 1e-5
+    assert "use a mesh with Explicit axes" in r["auto_error"]
