@@ -80,8 +80,21 @@ class MultiStepsTransformation(optax.GradientTransformationExtraArgs):
     """What :func:`multi_steps` returns: an ``optax.GradientTransformationExtraArgs``.
 
     The ``(init, update)`` pair optax expects, plus ``optax.MultiSteps``' two helpers, so code
-    written for ``optax.MultiSteps`` runs unchanged: ``has_updated(state)`` and
-    ``gradient_transformation()`` (which returns the object itself).
+    written for ``optax.MultiSteps`` runs unchanged: ``has_updated(state)`` (the same as
+    :func:`has_updated`) and ``gradient_transformation()`` (which returns the object itself).
+    Build it with :func:`multi_steps`; its own constructor takes ``(init, update)``, as any
+    ``optax.GradientTransformation``.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, jaxaccum
+      >>> opt = jaxaccum.multi_steps(optax.adam(1e-3), every_k_schedule=2)
+      >>> isinstance(opt, optax.GradientTransformationExtraArgs)
+      True
+      >>> tx = opt.gradient_transformation()  # as with optax.MultiSteps
+      >>> state = tx.init(jnp.zeros(3))
+      >>> _, state = tx.update(jnp.ones(3), state)
+      >>> bool(opt.has_updated(state)), int(state.mini_step)
+      (False, 1)
     """
 
     __slots__ = ()
@@ -165,14 +178,14 @@ def multi_steps(
       result with ``jnp.where``): k times less optimizer work.
     - ``weight``: the exact mean over valid items however unevenly they fall into micro-batches
       (optax has no weights: a mean of micro-batch means).
-    - The mean is the float32 sum divided once by the total weight, the full batch's order of
-      operations; optax keeps a running mean (``acc + (g - acc) / (n + 1)``), which rounds at
-      every call. Both are exact up to float32 rounding.
+    - The mean is the window's float32 sum divided once by its total weight; optax keeps a
+      running mean (``acc + (g - acc) / (n + 1)``), which divides at every call. Both equal
+      the full batch's mean up to float32 rounding (tested against a float64 run).
     - A window of total weight 0 makes no step; optax feeds a zero gradient to the inner
       optimizer, which advances Adam's count and decays its moments.
-    - ``has_updated`` says whether the last call made a step; optax's
-      ``mini_step == 0 and gradient_step > 0`` is also True after a call that
-      ``should_skip_update_fn`` rejected, or a window skipped whole, following a step.
+    - ``has_updated`` says whether the last call made a step (the ``emitted`` field); optax's
+      ``mini_step == 0 and gradient_step > 0`` stays True after a step until a call is
+      accumulated, e.g. across calls that ``should_skip_update_fn`` rejected.
     - ``skip_nonfinite=True`` (ours) keeps the call in the window and renormalises over its
       finite micro-batches, so windows stay aligned with the data; ``should_skip_update_fn``
       (optax's) drops the call as if it never happened, lengthening the window.
@@ -319,10 +332,10 @@ def multi_steps(
             acc_weight = jnp.where(keep, acc_weight, state.acc_weight)
             mini_step = jnp.where(keep, mini_step, state.mini_step)
 
-        k = jnp.maximum(jnp.asarray(schedule(state.gradient_step), jnp.int32), 1)
-        emit = mini_step >= k  # the window is complete
-        if keep is not None:  # a rejected call never ends a window
-            emit = jnp.logical_and(keep, emit)
+        # The window is complete (k below 1 acts as 1: a kept call makes mini_step >= 1).
+        emit = mini_step >= jnp.asarray(schedule(state.gradient_step), jnp.int32)
+        if keep is not None:  # a rejected call never ends a window (even one resumed with a
+            emit = jnp.logical_and(keep, emit)  # k smaller than the micro-batches it holds)
         # No step on a window of total weight 0; a NaN total (a traced negative weight) does
         # step, so that the NaN reaches the update instead of being dropped silently.
         step = jnp.logical_and(emit, acc_weight != 0)
