@@ -341,9 +341,8 @@ def multi_steps(
         step = jnp.logical_and(emit, acc_weight != 0)
 
         def inner_step(total: Any, inner_state: Any) -> tuple[optax.Updates, optax.OptState]:
-            # Runs only when acc_weight != 0 (or under vmap, whose select drops the result).
-            if use_grad_mean:
-                total = jax.tree.map(lambda x: x / acc_weight.astype(x.dtype), total)
+            if use_grad_mean:  # acc_weight != 0 here; a NaN one gives NaN
+                total = _reductions.safe_divide(total, acc_weight)
             new_updates, new_state = inner_ex.update(
                 _reductions.cast_like(total, updates), inner_state, params, **extra_args
             )
