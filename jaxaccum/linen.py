@@ -1,0 +1,199 @@
+"""Gradient accumulation with Flax linen's ``TrainState``: ``import jaxaccum.linen``.
+
+Duck-typed, flax is not imported: a "train state" is any object with ``params``,
+``opt_state``, ``tx``, ``step`` and a ``replace(**fields)`` method, such as
+``flax.training.train_state.TrainState`` and subclasses with a ``batch_stats`` field.
+
+- :func:`train_step`: one jitted step ``(state, batch, *rest) -> (state, value)`` over k
+  micro-batches, threading ``state.batch_stats`` (if present) through them.
+- :func:`apply_gradients`: ``TrainState.apply_gradients`` for ``tx = jaxaccum.multi_steps(...)``
+  (or ``optax.MultiSteps``): it passes ``weight=`` on to the transform and counts optimizer
+  steps in ``state.step``, not calls.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.typing import ArrayLike, DTypeLike
+
+from jaxaccum import _accumulate, _sharding, _validation
+from jaxaccum._multi_steps import MultiStepsState
+
+OVERWRITE_WITH_GRADIENT = "overwrite_with_gradient"  # flax's special params collection
+
+
+def _multi_steps_states(opt_state: Any) -> list[Any]:
+    """The (jaxaccum or optax) multi-steps states inside an optimizer state."""
+    kinds = (MultiStepsState, optax.MultiStepsState)
+    return [
+        s for s in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, kinds))
+        if isinstance(s, kinds)
+    ]
+
+
+def _steps_made(old: Any, new: Any) -> Any:
+    """How many optimizer steps one ``tx.update`` made: 1, or for a multi-steps transform the
+    increase of its ``gradient_step`` (0 while accumulating, 1 on the emitting call)."""
+    before, after = _multi_steps_states(old), _multi_steps_states(new)
+    if not after:
+        return 1
+    if len(after) > 1:
+        raise ValueError(
+            f"the optimizer state holds {len(after)} multi-steps states; which one counts the "
+            "optimizer steps is ambiguous"
+        )
+    return after[0].gradient_step - before[0].gradient_step
+
+
+def apply_gradients(state: Any, grads: Any, *, weight: ArrayLike | None = None,
+                    **replace: Any) -> Any:
+    """``state.apply_gradients(grads=grads)`` that takes a micro-batch weight and counts steps.
+
+    ``flax.training.train_state.TrainState.apply_gradients`` calls ``tx.update(grads,
+    opt_state, params)``: it cannot pass ``weight=`` (its keyword arguments are fields to
+    replace), and it adds 1 to ``state.step`` on every call. With ``tx =
+    jaxaccum.multi_steps(inner, every_k=k)`` (or ``optax.MultiSteps``) every call is one
+    micro-batch, so ``step`` would count micro-batches. This function calls
+    ``tx.update(grads, opt_state, params, weight=weight)`` (``weight`` only when given),
+    applies the updates, and adds to ``step`` the number of optimizer steps made: 1 for a
+    plain transform; for a multi-steps transform 1 on the call that made an optimizer step and
+    0 otherwise (so ``step`` is the inner optimizer's ``gradient_step``).
+
+    Args:
+      state: a ``TrainState`` (any object with ``params``, ``opt_state``, ``tx``, ``step`` and
+        ``replace``).
+      grads: gradients with the structure of ``state.params`` (the mean over the micro-batch's
+        valid examples when ``weight`` is given).
+      weight: the micro-batch's weight, e.g. its number of valid examples (needs a transform
+        that takes it, as :func:`jaxaccum.multi_steps`).
+      **replace: further fields to replace, as ``TrainState.apply_gradients``' keywords.
+
+    Returns:
+      The new state.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, jaxaccum, jaxaccum.linen
+      >>> from flax.training import train_state
+      >>> tx = jaxaccum.multi_steps(optax.sgd(0.1), every_k=2)
+      >>> state = train_state.TrainState.create(apply_fn=None, params=jnp.zeros(2), tx=tx)
+      >>> for w in (1.0, 3.0):
+      ...     state = jaxaccum.linen.apply_gradients(state, jnp.ones(2), weight=w)
+      >>> int(state.step), state.params.tolist()
+      (1, [-0.10000000149011612, -0.10000000149011612])
+    """
+    params, overwrite = state.params, None
+    if isinstance(grads, dict) and OVERWRITE_WITH_GRADIENT in grads:  # as TrainState does
+        params, overwrite = state.params["params"], grads[OVERWRITE_WITH_GRADIENT]
+        grads = grads["params"]
+    extra = {} if weight is None else {"weight": weight}
+    updates, opt_state = state.tx.update(grads, state.opt_state, params, **extra)
+    new_params = optax.apply_updates(params, updates)
+    if overwrite is not None:
+        new_params = {"params": new_params, OVERWRITE_WITH_GRADIENT: overwrite}
+    return state.replace(
+        step=state.step + _steps_made(state.opt_state, opt_state),
+        params=new_params,
+        opt_state=opt_state,
+        **replace,
+    )
+
+
+def train_step(
+    loss_fn: Callable[..., Any],
+    *,
+    num_microbatches: int | None = None,
+    microbatch_size: int | None = None,
+    has_aux: bool = False,
+    weighted: bool = False,
+    aux_reduce: Any = "stack",
+    skip_nonfinite: bool = False,
+    donate: bool = True,
+    accumulator_dtype: DTypeLike | None = jnp.float32,
+    remat: bool | _accumulate.RematPolicy = False,
+    unroll: int | bool = 1,
+    mesh: jax.sharding.Mesh | None = None,
+    data_axis: str | tuple[str, ...] | None = None,
+    fsdp: str = "step",
+) -> Callable[..., tuple[Any, Any]]:
+    """One jitted ``TrainState`` step over a batch split into k micro-batches.
+
+    ``step = train_step(loss_fn, num_microbatches=k)``; ``state, loss = step(state, batch,
+    *rest)``. Without a ``batch_stats`` field (or with ``state.batch_stats is None``),
+    ``loss_fn(params, batch, *rest)`` returns the mean loss as for
+    :func:`jaxaccum.value_and_grad`. With one, ``loss_fn(params, batch, batch_stats, *rest)``
+    returns ``(loss, new_batch_stats)`` (``((loss, aux), new_batch_stats)`` with ``has_aux``),
+    e.g. from ``apply_fn({"params": params, "batch_stats": batch_stats}, x,
+    mutable=["batch_stats"])``: the statistics are carried through the micro-batches
+    (``carry_argnums=2`` of :func:`jaxaccum.value_and_grad`), as k sequential train-mode calls
+    would update them. The gradients go to :func:`apply_gradients` (one optimizer step; with a
+    multi-steps ``tx``, ``step`` counts optimizer steps) and the final statistics into
+    ``state.batch_stats``. A step whose total weight is 0 returns the state unchanged.
+
+    Args:
+      loss_fn: as above.
+      num_microbatches: k; exactly one of this and ``microbatch_size``.
+      microbatch_size: the size of each micro-batch instead of k.
+      has_aux, weighted, aux_reduce, skip_nonfinite, accumulator_dtype, remat, unroll, mesh,
+        data_axis, fsdp: as in :func:`jaxaccum.value_and_grad`.
+      donate: donate the state's arrays to the step (do not reuse the state you pass in).
+
+    Returns:
+      ``step(state, batch, *rest) -> (state, value)``; ``value`` is the loss, ``(loss, aux)``
+      with ``has_aux``, ``(loss, {"aux", "skipped", "num_microbatches"})`` with
+      ``skip_nonfinite``.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, jaxaccum.linen
+      >>> from flax.training import train_state
+      >>> def loss_fn(params, batch):
+      ...     x, y = batch
+      ...     return jnp.mean((x @ params - y) ** 2)
+      >>> state = train_state.TrainState.create(
+      ...     apply_fn=None, params=jnp.zeros(3), tx=optax.sgd(0.1))
+      >>> step = jaxaccum.linen.train_step(loss_fn, num_microbatches=4)
+      >>> state, loss = step(state, (jnp.ones((8, 3)), jnp.ones(8)))
+      >>> int(state.step), float(loss)
+      (1, 1.0)
+    """
+    _validation.exactly_one_count(num_microbatches, microbatch_size)
+    options = dict(
+        has_aux=has_aux, weighted=weighted, aux_reduce=aux_reduce,
+        skip_nonfinite=skip_nonfinite, accumulator_dtype=accumulator_dtype, remat=remat,
+        unroll=unroll, argnums=0, batch_argnums=1,
+    )
+    configs = {  # with and without batch_stats; both checked now
+        carried: _accumulate.make_config(loss_fn, carry_argnums=2 if carried else (), **options)
+        for carried in (False, True)
+    }
+    sharding = _sharding.data_parallel(mesh, data_axis, fsdp)
+
+    def step(state: Any, batch: Any, *rest: Any) -> tuple[Any, Any]:
+        stats = getattr(state, "batch_stats", None)
+        carried = stats is not None
+        cfg = configs[carried]
+        args = (state.params, batch, stats, *rest) if carried else (state.params, batch, *rest)
+        out = _accumulate.accumulate(cfg, args, num_microbatches, microbatch_size, sharding)
+        new = apply_gradients(state, out.grads)
+        if carried:
+            new = new.replace(batch_stats=out.carry[0])
+        if cfg.divides_safely:  # nothing to learn from: the state as it was
+            stepped = out.weight > 0
+            new = jax.tree.map(lambda o, n: jnp.where(stepped, n, o), state, new)
+        return new, _accumulate.shape_value(cfg, out, with_carry=False)
+
+    jitted = jax.jit(step, donate_argnums=(0,) if donate else ())
+
+    def run(state: Any, batch: Any, *rest: Any) -> tuple[Any, Any]:
+        context: Any = contextlib.nullcontext()
+        if sharding is not None and sharding.explicit:
+            context = jax.set_mesh(sharding.mesh)
+        with context:
+            return jitted(state, batch, *rest)  # type: ignore[no-any-return]
+
+    return run
