@@ -487,3 +487,25 @@ def test_float64_leaves_accumulate_in_float64():
         _, grad = jax.jit(fn)(w, x)
         assert grad.dtype == jnp.float64
         assert abs(float(grad) - (1.0 + 3e-10) / 4) < 1e-15
+
+
+def test_weights_are_constants_for_the_gradient():
+    """A weight that depends on the parameters (a soft count) is not differentiated."""
+
+    def soft(params, batch):
+        x, y = batch
+        per = jnp.mean((mlp_apply(params, x) - y) ** 2, axis=-1)
+        w = jnp.sum(jax.nn.sigmoid(x @ params["layer0"]["w"][:, 0]))
+        return jnp.mean(per), w
+
+    def reference(params):
+        losses, weights = [], []
+        for i in range(4):
+            loss, w = soft(params, jax.tree.map(lambda a, i=i: a[i::4], BATCH))
+            losses.append(loss)
+            weights.append(jax.lax.stop_gradient(w))
+        return sum(w * loss for w, loss in zip(weights, losses, strict=True)) / sum(weights)
+
+    expected = jax.value_and_grad(reference)(PARAMS)
+    got = jax.jit(jaxaccum.value_and_grad(soft, num_microbatches=4, weighted=True))(PARAMS, BATCH)
+    assert_trees_close(got, expected, 1e-5)
