@@ -33,7 +33,7 @@ def apply_step(
     updates, new_state = optimizer.update(out.grads, opt_state, params)
     new_params = optax.apply_updates(params, updates)
     if may_be_empty:  # nothing to learn from (all weights 0, or all skipped): no step at all
-        stepped = out.weight > 0
+        stepped = out.weight != 0  # NaN (an invalid weight) steps, and poisons: never silent
         new_params, new_state = jax.tree.map(
             lambda old, new: jnp.where(stepped, new, old),
             (params, opt_state),

@@ -183,7 +183,7 @@ def train_step(
         if carried:
             new = new.replace(batch_stats=out.carry[0])
         if cfg.divides_safely:  # nothing to learn from: the state as it was
-            stepped = out.weight > 0
+            stepped = out.weight != 0  # NaN (an invalid weight) poisons the step: never silent
             new = jax.tree.map(lambda o, n: jnp.where(stepped, n, o), state, new)
         return new, _accumulate.shape_value(cfg, out, with_carry=False)
 

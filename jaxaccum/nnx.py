@@ -317,7 +317,7 @@ def train_step(
         write_back()
         optimizer.update(model, out.grads)
         if before is not None:  # nothing to learn from: no step, no state change at all
-            stepped = out.weight > 0
+            stepped = out.weight != 0  # NaN (an invalid weight) poisons the step: never silent
             nnx.update(both, jax.tree.map(
                 lambda old, new: jnp.where(stepped, new, old), before, nnx.state(both)))
         return _accumulate.shape_value(cfg, out, with_carry=False)
