@@ -129,7 +129,11 @@ def test_dropout_per_example_keys_match_k1_vs_k64(mnist):
     assert d["batch_key"] > 1e-2 * d["max_abs_grad"]  # one key per call: masks change with k
 
 
-@pytest.mark.parametrize("name", list(gist.OPTIMIZERS))
+# Adam by default: its rounding is the largest (and the one a fixed tolerance tripped over); the
+# others run with -m slow, and tests/test_train_step.py covers them all on small models.
+@pytest.mark.parametrize(
+    "name", [n if n == "adam" else pytest.param(n, marks=pytest.mark.slow) for n in gist.OPTIMIZERS]
+)
 def test_stateful_optimizers_match(mnist, name):
     make, steps = gist.OPTIMIZERS[name], 20
     accumulated = gist.train(mnist, 1, 64, steps, make())
@@ -147,8 +151,10 @@ def test_stateful_optimizers_match(mnist, name):
 
 def test_command_writes_results_and_png(tmp_path, mnist, monkeypatch):
     monkeypatch.setattr(gist.Mnist, "load", classmethod(lambda cls, *a: mnist))
-    # Short: one optimizer (each has its own test above), few timing rounds.
+    # Short: one optimizer and no dropout gradients (each has its own test above), few timing
+    # rounds.
     monkeypatch.setattr(gist, "OPTIMIZERS", {"adam": gist.OPTIMIZERS["adam"]})
+    monkeypatch.setattr(gist, "dropout_gradients", lambda mnist, k: {"skipped": True})
     monkeypatch.setattr(gist, "timing", functools.partial(gist.timing, rounds=2))
     code = gist.main(
         ["--steps", "3", "--microbatches", "8", "--dropout-steps", "2", "--out", str(tmp_path)]
