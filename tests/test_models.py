@@ -89,3 +89,16 @@ def test_per_example_dropout_masks_same_in_float64():
         masks64 = np.asarray(y64 > 0)
     assert 0.7 < masks32.mean() < 0.9
     np.testing.assert_array_equal(masks64, masks32)
+
+
+def test_functional_refuses_a_model_with_state():
+    """A pure apply(params, ...) would freeze BatchNorm statistics: jaxaccum.nnx carries them."""
+    from flax import nnx
+
+    class WithBatchNorm(nnx.Module):
+        def __init__(self):
+            self.bn = nnx.BatchNorm(3, rngs=nnx.Rngs(0))
+
+    with pytest.raises(TypeError, match=r"WithBatchNorm has variables other than nnx.Param "
+                       r"\(BatchStat\).*jaxaccum.nnx"):
+        models.functional(WithBatchNorm())

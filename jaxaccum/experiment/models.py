@@ -132,10 +132,30 @@ def mse_one_hot(outputs: jax.Array, labels: jax.Array, num_classes: int = 10) ->
 
 
 def functional(model: nnx.Module) -> tuple[Callable[..., jax.Array], nnx.State]:
-    """Splits a model into a pure ``apply(params, *inputs)`` and its parameter state."""
-    graphdef, params = nnx.split(model)
+    """Splits a *stateless* model into a pure ``apply(params, *inputs)`` and its parameters.
+
+    A model with variables other than ``nnx.Param`` (BatchNorm statistics, RNG counts) is
+    refused: a pure ``apply(params, ...)`` would silently freeze them. Use
+    ``jaxaccum.nnx.value_and_grad`` or ``jaxaccum.nnx.train_step``, which carry them through the
+    micro-batches.
+
+    Raises:
+      TypeError: if the model has variables other than ``nnx.Param``.
+    """
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)  # type: ignore[misc]
+    kinds = {
+        type(v).__name__
+        for v in jax.tree.leaves(rest, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    }
+    if kinds:
+        raise TypeError(
+            f"functional: {type(model).__name__} has variables other than nnx.Param "
+            f"({', '.join(sorted(kinds))}), which a pure apply(params, ...) would silently "
+            "freeze; use jaxaccum.nnx.value_and_grad or jaxaccum.nnx.train_step, which carry "
+            "them through the micro-batches"
+        )
 
     def apply(params: nnx.State, *inputs: Any) -> jax.Array:
-        return nnx.merge(graphdef, params)(*inputs)
+        return nnx.merge(graphdef, params, rest)(*inputs)
 
     return apply, params
