@@ -1,0 +1,1096 @@
+"""Model families: speed, temp memory and compile time per way and k; and the CNN loop study.
+
+Families (each: a loss, its parameters, a batch):
+
+- ``mlp``: the gist MLP 784-100-10 (ReLU, MSE on one-hot targets), batch 64 (``_common.GIST``);
+- ``cnn``: conv 3x3x16 - BatchNorm (eval) - ReLU - avg-pool 2, conv 3x3x32 - BatchNorm - ReLU -
+  avg-pool 2, dense 128 (ReLU), dense 10, cross-entropy; 28x28x1 inputs, batch 256;
+- ``transformer``: a decoder-only LM in plain JAX (4 layers, d=128, 4 heads, sequence 128,
+  vocabulary 256, pre-LayerNorm, GELU MLP), sequences of random lengths padded to 128, loss the
+  mean cross-entropy over valid tokens with ``weighted=True`` (weight: the number of valid
+  tokens); batch 64; Adam. Also with bfloat16 parameters (float32 accumulation).
+
+Ways, all making the same optimizer step on the same batch: ``full batch`` (one jitted gradient
+and update), ``jaxaccum.train_step``, ``jaxaccum.train_step (proposed)`` (the change
+recommended in docs/perf_investigation.md, applied here by wrapping
+``jaxaccum._accumulate.micro_step`` while the step is traced), ``Python loop`` (k jitted
+micro-batch gradient calls summed on device, one jitted update), ``optax.MultiSteps`` (one
+jitted call per micro-batch), ``optax.microbatching`` (``microbatch`` around the gradient in
+one jitted step). Ways run interleaved round by round; medians; ratios within the same rounds.
+Every program is compiled ahead of time once: its compile time (lower + compile) and
+``memory_analysis()`` temp bytes are recorded (per-call ways: their per-micro-batch program).
+
+``loops`` is the CNN loop study (docs/perf_investigation.md): jitted ``value_and_grad`` of the
+full batch, of jaxaccum with ``unroll`` 1, 2, 4 and k, a hand-written ``lax.scan``, a Python
+loop, and the proposed change with strided and contiguous micro-batches.
+
+    python benchmarks/models.py                 # families, ~10 min on 2 cores
+    python benchmarks/models.py --quick         # ~3 min: fewer k and rounds
+    python benchmarks/models.py loops           # ~10 min: results/models_loops.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import math
+import re
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from _common import GIST, machine, result_path, save
+from _common import loss as mlp_loss
+from jax.extend import core as jex
+
+import jaxaccum
+from jaxaccum import _accumulate
+
+KS = (1, 2, 4, 8, 16, 32, 64)
+
+# --- the proposed change (prototype of jaxaccum/_conv_layout.py) ---------------------------------
+#
+# XLA:CPU's ConvCanonicalization pass rewrites convolutions whose dimension numbers are not
+# NHWC x HWIO -> NHWC into transposes around a canonical convolution, so they run in Eigen or
+# YNNPACK; but it visits only the entry computation. Inside a while loop's body (lax.scan) the
+# gradient convolutions that autodiff emits (input gradient: kernel "01oi"; kernel gradient:
+# "f01b_i01o->01bf") stay as they are and are emitted as naive loops. The rewrite below does
+# what that pass does, on the micro-step's jaxpr, exactly (transposes only), and only on CPU.
+
+_CONV = jex.primitives.conv_general_dilated_p
+_INLINE = ("jit", "pjit", "closed_call", "core_call")
+
+
+def _canonical_specs(n: int) -> tuple[tuple[int, ...], ...]:
+    spatial = tuple(range(1, n - 1))
+    return (0, n - 1, *spatial), (n - 1, n - 2, *range(n - 2)), (0, n - 1, *spatial)
+
+
+def _noncanonical(eqn: Any) -> bool:
+    if eqn.primitive is not _CONV:
+        return False
+    dn = eqn.params["dimension_numbers"]
+    specs = (tuple(dn.lhs_spec), tuple(dn.rhs_spec), tuple(dn.out_spec))
+    return specs != _canonical_specs(len(dn.lhs_spec))
+
+
+def has_noncanonical_conv(jaxpr: Any) -> bool:
+    """Whether a (closed) jaxpr holds, at any depth, a convolution not in NHWC/HWIO form."""
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    return any(
+        _noncanonical(eqn) or any(map(has_noncanonical_conv, jex.jaxprs_in_params(eqn.params)))
+        for eqn in jaxpr.eqns
+    )
+
+
+def _canonical_conv(lhs: Any, rhs: Any, *, dimension_numbers: Any, **params: Any) -> Any:
+    """The same convolution as transpose -> NHWC x HWIO -> NHWC convolution -> transpose."""
+    n = lhs.ndim
+    lb, lf, *ls = dimension_numbers.lhs_spec
+    ro, ri, *rs = dimension_numbers.rhs_spec
+    ob, of, *os_ = dimension_numbers.out_spec
+    out = _CONV.bind(
+        jnp.transpose(lhs, (lb, *ls, lf)),
+        jnp.transpose(rhs, (*rs, ri, ro)),
+        dimension_numbers=jax.lax.ConvDimensionNumbers(*_canonical_specs(n)),
+        **params,
+    )
+    perm = [0] * n
+    perm[ob], perm[of] = 0, n - 1
+    for i, axis in enumerate(os_):
+        perm[axis] = i + 1
+    return jnp.transpose(out, perm)
+
+
+def _rewrite(sub: Any) -> Any:
+    """A jaxpr-valued parameter (scan/while/cond bodies, remat...) with its convs rewritten."""
+    if not isinstance(sub, (jex.ClosedJaxpr, jex.Jaxpr)) or not has_noncanonical_conv(sub):
+        return sub
+    closed = sub if isinstance(sub, jex.ClosedJaxpr) else jex.ClosedJaxpr(sub, ())
+    avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in closed.in_avals]
+    new = jax.make_jaxpr(functools.partial(_eval, closed.jaxpr, closed.consts))(*avals)
+    if isinstance(sub, jex.ClosedJaxpr):
+        return new
+    return sub if new.consts else new.jaxpr  # an open jaxpr takes no consts: leave it as it was
+
+
+def _bind(eqn: Any, invals: list[Any], params: dict[str, Any]) -> list[Any]:
+    bind_params = eqn.primitive.get_bind_params(params)
+    subfuns: tuple[Any, ...] = ()
+    if isinstance(bind_params, tuple):  # older jax returns (subfuns, params)
+        subfuns, bind_params = bind_params
+    manager = getattr(getattr(eqn, "ctx", None), "manager", None)
+    with manager if manager is not None else contextlib.nullcontext():
+        out = eqn.primitive.bind(*subfuns, *invals, **bind_params)
+    return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def _eval(jaxpr: Any, consts: Any, *args: Any) -> list[Any]:
+    env: dict[Any, Any] = dict(zip(jaxpr.constvars, consts, strict=True))
+    env.update(zip(jaxpr.invars, args, strict=True))
+
+    def read(v: Any) -> Any:
+        return v.val if isinstance(v, jex.Literal) else env[v]
+
+    for eqn in jaxpr.eqns:
+        invals = [read(v) for v in eqn.invars]
+        if _noncanonical(eqn):
+            outs = [_canonical_conv(*invals, **eqn.params)]
+        elif not any(map(has_noncanonical_conv, jex.jaxprs_in_params(eqn.params))):
+            outs = _bind(eqn, invals, eqn.params)
+        elif eqn.primitive.name in _INLINE and isinstance(eqn.params.get("jaxpr"), jex.ClosedJaxpr):
+            sub = eqn.params["jaxpr"]  # a nested jit: inlined (XLA inlines it anyway)
+            outs = _eval(sub.jaxpr, sub.consts, *invals)
+        else:  # scan, while, cond, remat, custom rules: the same primitive, bodies rewritten
+            params = {
+                key: type(v)(map(_rewrite, v)) if isinstance(v, (tuple, list)) else _rewrite(v)
+                for key, v in eqn.params.items()
+            }
+            outs = _bind(eqn, invals, params)
+        env.update(zip(eqn.outvars, outs, strict=True))
+    return [read(v) for v in jaxpr.outvars]
+
+
+def canonical_convs(fun: Callable[..., Any]) -> Callable[..., Any]:
+    """``fun`` with its convolutions in NHWC x HWIO -> NHWC form when lowered for CPU.
+
+    Functions without another convolution form are called unchanged; array leaves of the
+    arguments are traced, every other leaf is closed over.
+    """
+
+    @functools.wraps(fun)
+    def wrapped(*args: Any) -> Any:
+        leaves, tree = jax.tree.flatten(args)
+        dynamic = [i for i, x in enumerate(leaves) if isinstance(x, (jax.Array, np.ndarray))]
+
+        def call(*xs: Any) -> Any:
+            full = list(leaves)
+            for i, x in zip(dynamic, xs, strict=True):
+                full[i] = x
+            return fun(*jax.tree.unflatten(tree, full))
+
+        xs = [leaves[i] for i in dynamic]
+        closed, shape = jax.make_jaxpr(call, return_shape=True)(*xs)
+        if not has_noncanonical_conv(closed):
+            return fun(*args)
+        out_tree = jax.tree.structure(shape)
+
+        def rewritten(*xs: Any) -> Any:
+            return jax.tree.unflatten(out_tree, _eval(closed.jaxpr, closed.consts, *xs))
+
+        return jax.lax.platform_dependent(*xs, cpu=rewritten, default=call)
+
+    return wrapped
+
+
+_ORIGINAL = {
+    "micro_step": _accumulate.micro_step,
+    "split_microbatches": _accumulate.split_microbatches,
+    "scan_microbatches": _accumulate.scan_microbatches,
+}
+
+
+def _proposed_micro_step(cfg: Any, args: Any, sums: Any, *rest: Any) -> Any:
+    step = _ORIGINAL["micro_step"]
+    return canonical_convs(lambda a, s: step(cfg, a, s, *rest))(args, sums)
+
+
+def _contiguous_split(cfg: Any, args: Any, k: int) -> tuple[Any, ...]:
+    def contiguous(x: Any) -> Any:
+        x = jnp.asarray(x)
+        return x.reshape((k, x.shape[0] // k) + x.shape[1:])
+
+    return tuple(jax.tree.map(contiguous, args[i]) for i in cfg.split_argnums)
+
+
+def _indexing_scan(
+    cfg: Any, args: Any, k: int, sums: Any = None, batches: Any = None
+) -> Any:
+    """``scan_microbatches`` without the transposed copy of the batch: each batch leaf is
+    viewed as (B/k, k, ...) (a bitcast) and the body takes micro-batch i with a dynamic index
+    on axis 1 (a strided gather of one micro-batch), scanning over ``arange(k)``."""
+    if batches is not None or k == 1:  # split by a caller (explicit meshes), or no loop
+        return _ORIGINAL["scan_microbatches"](cfg, args, k, sums, batches)
+    views = tuple(
+        jax.tree.map(lambda x: jnp.asarray(x).reshape((x.shape[0] // k, k) + x.shape[1:]),
+                     args[i])
+        for i in cfg.split_argnums
+    )
+    # only traced abstractly by check_output (types, shardings kept); dead in the program
+    loss, aux = _accumulate.check_output(cfg, args, _ORIGINAL["split_microbatches"](cfg, args, k))
+    start = _accumulate.zero_sums(cfg, args, loss, aux) if sums is None else sums
+
+    def body(sums: Any, i: jax.Array) -> Any:
+        micro = jax.tree.map(
+            lambda v: jax.lax.dynamic_index_in_dim(v, i, axis=1, keepdims=False), views
+        )
+        return _accumulate.micro_step(cfg, _accumulate.with_microbatch(cfg, args, micro), sums)
+
+    out, ys = jax.lax.scan(body, start, jnp.arange(k), unroll=cfg.unroll)
+    return _accumulate.Scanned(out, ys, loss, aux)
+
+
+@contextlib.contextmanager
+def variant(
+    convs: bool = False, contiguous: bool = False, indexing: bool = False
+) -> Iterator[None]:
+    """While tracing: the proposed micro-step (``convs``), contiguous micro-batches, or the
+    strided micro-batch taken by index inside the loop (``indexing``)."""
+    if convs:
+        _accumulate.micro_step = _proposed_micro_step
+    if contiguous:
+        _accumulate.split_microbatches = _contiguous_split
+    if indexing:
+        _accumulate.scan_microbatches = _indexing_scan
+    try:
+        yield
+    finally:
+        for name, fn in _ORIGINAL.items():
+            setattr(_accumulate, name, fn)
+
+
+# --- the models ------------------------------------------------------------------------------
+
+
+def _normal(key: Any, shape: tuple[int, ...], scale: float) -> jax.Array:
+    return jax.random.normal(key, shape, jnp.float32) * scale
+
+
+def cnn_params(key: Any) -> dict[str, Any]:
+    ks = jax.random.split(key, 4)
+
+    def bn(c: int) -> dict[str, jax.Array]:
+        one, zero = lambda: jnp.ones(c), lambda: jnp.zeros(c)  # noqa: E731
+        return {"scale": one(), "bias": zero(), "mean": zero(), "var": one()}
+
+    return {
+        "conv1": _normal(ks[0], (3, 3, 1, 16), 0.3),
+        "bn1": bn(16),
+        "conv2": _normal(ks[1], (3, 3, 16, 32), 0.08),
+        "bn2": bn(32),
+        "dense1": _normal(ks[2], (7 * 7 * 32, 128), 0.03),
+        "b1": jnp.zeros(128),
+        "dense2": _normal(ks[3], (128, 10), 0.1),
+        "b2": jnp.zeros(10),
+    }
+
+
+def _conv_bn_pool(x: jax.Array, kernel: jax.Array, bn: dict[str, jax.Array]) -> jax.Array:
+    x = jax.lax.conv_general_dilated(
+        x, kernel, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
+    )
+    x = (x - bn["mean"]) * jax.lax.rsqrt(bn["var"] + 1e-5) * bn["scale"] + bn["bias"]
+    x = jax.nn.relu(x)
+    return jax.lax.reduce_window(x, 0.0, jax.lax.add, (1, 2, 2, 1), (1, 2, 2, 1), "VALID") / 4
+
+
+def cnn_loss(params: dict[str, Any], batch: tuple[jax.Array, jax.Array]) -> jax.Array:
+    x, y = batch
+    x = _conv_bn_pool(x, params["conv1"], params["bn1"])
+    x = _conv_bn_pool(x, params["conv2"], params["bn2"])
+    x = jax.nn.relu(x.reshape(x.shape[0], -1) @ params["dense1"] + params["b1"])
+    logits = x @ params["dense2"] + params["b2"]
+    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), y[:, None], axis=1))
+
+
+def cnn_data(batch: int) -> tuple[jax.Array, jax.Array]:
+    kx, ky = jax.random.split(jax.random.key(1))
+    return jax.random.uniform(kx, (batch, 28, 28, 1)), jax.random.randint(ky, (batch,), 0, 10)
+
+
+def nnx_cnn() -> tuple[Callable[..., Any], Any]:
+    """The same CNN with flax NNX (nnx.Conv, nnx.BatchNorm in eval mode): ``(loss, params)``;
+    the non-parameter state (BatchNorm statistics) is closed over, as nnx.split/merge give."""
+    from flax import nnx
+
+    class CNN(nnx.Module):
+        def __init__(self, rngs: nnx.Rngs) -> None:
+            self.conv1 = nnx.Conv(1, 16, (3, 3), rngs=rngs)
+            self.bn1 = nnx.BatchNorm(16, use_running_average=True, rngs=rngs)
+            self.conv2 = nnx.Conv(16, 32, (3, 3), rngs=rngs)
+            self.bn2 = nnx.BatchNorm(32, use_running_average=True, rngs=rngs)
+            self.dense1 = nnx.Linear(7 * 7 * 32, 128, rngs=rngs)
+            self.dense2 = nnx.Linear(128, 10, rngs=rngs)
+
+        def __call__(self, x: jax.Array) -> jax.Array:
+            x = nnx.avg_pool(nnx.relu(self.bn1(self.conv1(x))), (2, 2), (2, 2))
+            x = nnx.avg_pool(nnx.relu(self.bn2(self.conv2(x))), (2, 2), (2, 2))
+            return self.dense2(nnx.relu(self.dense1(x.reshape(x.shape[0], -1))))
+
+    graphdef, params, rest = nnx.split(CNN(nnx.Rngs(0)), nnx.Param, ...)
+
+    def loss(params: Any, batch: tuple[jax.Array, jax.Array]) -> jax.Array:
+        x, y = batch
+        logits = nnx.merge(graphdef, params, rest)(x)
+        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), y[:, None], axis=1))
+
+    return loss, params
+
+
+VOCAB, SEQ, DIM, HEADS, LAYERS = 256, 128, 128, 4, 4
+
+
+def lm_params(key: Any, dtype: Any = jnp.float32) -> dict[str, Any]:
+    keys = iter(jax.random.split(key, 3 + 4 * LAYERS))
+    ln = lambda: {"scale": jnp.ones(DIM), "bias": jnp.zeros(DIM)}  # noqa: E731
+    proj = 0.02 / math.sqrt(2 * LAYERS)
+    params = {
+        "embed": _normal(next(keys), (VOCAB, DIM), 0.02),
+        "pos": _normal(next(keys), (SEQ, DIM), 0.02),
+        "layers": [
+            {
+                "ln1": ln(),
+                "qkv": _normal(next(keys), (DIM, 3 * DIM), 0.02),
+                "out": _normal(next(keys), (DIM, DIM), proj),
+                "ln2": ln(),
+                "w1": _normal(next(keys), (DIM, 4 * DIM), 0.02),
+                "b1": jnp.zeros(4 * DIM),
+                "w2": _normal(next(keys), (4 * DIM, DIM), proj),
+                "b2": jnp.zeros(DIM),
+            }
+            for _ in range(LAYERS)
+        ],
+        "ln_f": ln(),
+        "head": _normal(next(keys), (DIM, VOCAB), 0.02),
+    }
+    return jax.tree.map(lambda x: x.astype(dtype), params)
+
+
+def _layer_norm(x: jax.Array, p: dict[str, jax.Array]) -> jax.Array:
+    x32 = x.astype(jnp.float32)
+    mean = x32.mean(-1, keepdims=True)
+    var = ((x32 - mean) ** 2).mean(-1, keepdims=True)
+    return ((x32 - mean) * jax.lax.rsqrt(var + 1e-5)).astype(x.dtype) * p["scale"] + p["bias"]
+
+
+def lm_logits(params: dict[str, Any], tokens: jax.Array) -> jax.Array:
+    b, t = tokens.shape
+    head_dim = DIM // HEADS
+    x = params["embed"][tokens] + params["pos"][:t]
+    causal = jnp.tril(jnp.ones((t, t), bool))
+    for layer in params["layers"]:
+        h = _layer_norm(x, layer["ln1"]) @ layer["qkv"]
+        q, k, v = (z.reshape(b, t, HEADS, head_dim) for z in jnp.split(h, 3, axis=-1))
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) / math.sqrt(head_dim)
+        probs = jax.nn.softmax(jnp.where(causal, scores, -1e9), axis=-1).astype(x.dtype)
+        attn = jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, t, DIM)
+        x = x + attn @ layer["out"]
+        h = jax.nn.gelu(_layer_norm(x, layer["ln2"]) @ layer["w1"] + layer["b1"])
+        x = x + h @ layer["w2"] + layer["b2"]
+    return (_layer_norm(x, params["ln_f"]) @ params["head"]).astype(jnp.float32)
+
+
+def lm_loss(params: dict[str, Any], batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
+    """``(mean cross-entropy over valid tokens, number of valid tokens)``: ``weighted=True``."""
+    logits = lm_logits(params, batch["inputs"])
+    ce = jax.nn.logsumexp(logits, -1) - jnp.take_along_axis(
+        logits, batch["targets"][..., None], -1
+    )[..., 0]
+    mask = batch["mask"]
+    count = mask.sum()
+    return (ce * mask).sum() / jnp.maximum(count, 1.0), count
+
+
+def lm_data(batch: int) -> dict[str, jax.Array]:
+    kt, kl = jax.random.split(jax.random.key(1))
+    tokens = jax.random.randint(kt, (batch, SEQ + 1), 0, VOCAB)
+    lengths = jax.random.randint(kl, (batch, 1), SEQ // 8, SEQ + 1)
+    mask = (jnp.arange(SEQ)[None, :] < lengths).astype(jnp.float32)
+    tokens = jnp.where(jnp.arange(SEQ + 1)[None, :] <= lengths, tokens, 0)  # padding id 0
+    return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "mask": mask}
+
+
+class Family:
+    """A model family: ``loss(params, batch)``, params, batch, optimizer, and how to count."""
+
+    def __init__(
+        self,
+        key: str,
+        name: str,
+        loss: Callable[..., Any],
+        params: Any,
+        batch: Any,
+        optimizer: optax.GradientTransformation,
+        weighted: bool = False,
+        unit: str = "examples",
+    ) -> None:
+        self.key, self.name, self.loss, self.params, self.batch = key, name, loss, params, batch
+        self.optimizer, self.weighted, self.unit = optimizer, weighted, unit
+        self.size = jax.tree.leaves(batch)[0].shape[0]
+        self.items = float(batch["mask"].sum()) if unit == "tokens" else float(self.size)
+
+    def param_bytes(self) -> int:
+        return sum(x.nbytes for x in jax.tree.leaves(self.params))
+
+
+def families(quick: bool, lm_batch: int = 32) -> dict[str, Family]:
+    return {
+        "mlp": Family(
+            "mlp", f"gist MLP 784-100-10, batch {GIST.batch}", mlp_loss, GIST.params(),
+            GIST.data(), optax.sgd(1e-2),
+        ),
+        "cnn": Family(
+            "cnn", "CNN (2 conv + BatchNorm eval), 28x28x1, batch 256", cnn_loss,
+            cnn_params(jax.random.key(0)), cnn_data(256), optax.sgd(1e-2),
+        ),
+        "transformer": Family(
+            "transformer",
+            f"decoder LM 4x128, 4 heads, seq 128, vocab 256, batch {lm_batch} (token-weighted)",
+            lm_loss, lm_params(jax.random.key(0)), lm_data(lm_batch), optax.adam(1e-3),
+            weighted=True, unit="tokens",
+        ),
+        "transformer_bf16": Family(
+            "transformer_bf16",
+            f"the same LM, bfloat16 params (float32 accumulation), batch {lm_batch}",
+            lm_loss, lm_params(jax.random.key(0), jnp.bfloat16), lm_data(lm_batch),
+            optax.adam(1e-3), weighted=True, unit="tokens",
+        ),
+    }
+
+
+# --- the ways -------------------------------------------------------------------------------
+
+
+def compile_timed(jitted: Any, *args: Any) -> tuple[Any, float, int]:
+    """``(compiled, seconds to lower and compile, temp bytes)``."""
+    start = time.perf_counter()
+    compiled = jitted.lower(*args).compile()
+    seconds = time.perf_counter() - start
+    return compiled, seconds, compiled.memory_analysis().temp_size_in_bytes
+
+
+def _value(fam: Family) -> Callable[..., Any]:
+    """The loss as ``jax.value_and_grad`` of the full batch wants it (weight dropped)."""
+    if fam.weighted:
+        return lambda p, b: fam.loss(p, b)[0]
+    return fam.loss
+
+
+def _micro_batches(batch: Any, k: int) -> list[Any]:
+    """Strided micro-batches (examples i, i + k, ...), as jaxaccum splits."""
+    return [jax.tree.map(lambda x, i=i: x[i::k], batch) for i in range(k)]
+
+
+def _apply(optimizer: optax.GradientTransformation) -> Callable[..., Any]:
+    def apply(params: Any, state: Any, grads: Any) -> tuple[Any, Any]:
+        updates, state = optimizer.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    return apply
+
+
+class Way:
+    """One way to make an optimizer step: ``build`` compiles (timed), ``step`` runs one."""
+
+    name = ""
+    per_call = False
+
+    def __init__(self, fam: Family, k: int) -> None:
+        self.fam, self.k = fam, k
+        self.compile_s = 0.0
+        self.temp = 0
+        self.temp_undonated: int | None = None
+
+    def program(self, donate: bool) -> Any:
+        """The single jitted program (donating params and state, or not); None if per call."""
+        return None
+
+    def build(self, params: Any, state: Any) -> None:
+        self.fn = self._compile(self.program(donate=True), params, state, self.fam.batch)
+
+    def measure_undonated(self, params: Any, state: Any) -> None:
+        """Temp bytes of the same program without donation (as benchmarks/memory.py measures:
+        with donation XLA:CPU keeps one more gradient-sized buffer in every way, the full batch
+        included, because the update cannot overwrite a parameter still being read)."""
+        program = self.program(donate=False)
+        if program is not None:
+            with self.context():
+                self.temp_undonated = compile_timed(program, params, state, self.fam.batch)[2]
+
+    def context(self) -> Any:
+        return contextlib.nullcontext()
+
+    def step(self, params: Any, state: Any, data: Any) -> Any:
+        return self.fn(params, state, data)
+
+    def data(self) -> Any:
+        return _micro_batches(self.fam.batch, self.k) if self.per_call else self.fam.batch
+
+    def _compile(self, jitted: Any, *args: Any) -> Any:
+        compiled, seconds, temp = compile_timed(jitted, *args)
+        self.compile_s += seconds
+        self.temp = max(self.temp, temp)
+        return compiled
+
+
+def _donate(donate: bool) -> tuple[int, ...]:
+    return (0, 1) if donate else ()
+
+
+class Full(Way):
+    name = "full batch"
+
+    def program(self, donate: bool) -> Any:
+        apply, value = _apply(self.fam.optimizer), _value(self.fam)
+        return jax.jit(lambda p, s, b: apply(p, s, jax.grad(value)(p, b)),
+                       donate_argnums=_donate(donate))
+
+
+class TrainStep(Way):
+    name = "jaxaccum.train_step"
+    proposed = False
+
+    def program(self, donate: bool) -> Any:
+        return jaxaccum.train_step(
+            self.fam.loss, self.fam.optimizer, num_microbatches=self.k,
+            weighted=self.fam.weighted, donate=donate,
+        )
+
+    def context(self) -> Any:
+        return variant(convs=True, indexing=True) if self.proposed else contextlib.nullcontext()
+
+    def build(self, params: Any, state: Any) -> None:
+        with self.context():
+            super().build(params, state)
+
+
+class Proposed(TrainStep):
+    """The recommended change: convolutions in canonical form in the loop body (CPU), and the
+    strided micro-batch taken by index inside the loop (no transposed copy of the batch)."""
+
+    name = "jaxaccum.train_step (proposed)"
+    proposed = True
+
+
+class PythonLoop(Way):
+    """k jitted calls ``acc <- acc + w * grad(micro-batch)`` (acc donated), one jitted update."""
+
+    name = "Python loop"
+    per_call = True
+
+    def build(self, params: Any, state: Any) -> None:
+        fam, apply = self.fam, _apply(self.fam.optimizer)
+
+        def add(p: Any, acc: Any, micro: Any) -> Any:
+            if fam.weighted:
+                (_, w), g = jax.value_and_grad(fam.loss, has_aux=True)(p, micro)
+            else:
+                w, g = jnp.ones(()), jax.grad(fam.loss)(p, micro)
+            grads, total = acc
+            grads = jax.tree.map(lambda a, x: a + w * x.astype(jnp.float32), grads, g)
+            return grads, total + w
+
+        def update(p: Any, s: Any, acc: Any) -> Any:
+            grads, total = acc
+            return apply(p, s, jax.tree.map(lambda a, x: (a / total).astype(x.dtype), grads, p))
+
+        zeros = jax.jit(lambda p: (jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), p),
+                                   jnp.zeros(())))
+        self.zeros = self._compile(zeros, params)
+        acc = self.zeros(params)
+        self.add = self._compile(jax.jit(add, donate_argnums=1), params, acc, self.data()[0])
+        self.update = self._compile(jax.jit(update, donate_argnums=(0, 1)), params, state, acc)
+
+    def step(self, params: Any, state: Any, micro_batches: Any) -> Any:
+        acc = self.zeros(params)
+        for micro in micro_batches:
+            acc = self.add(params, acc, micro)
+        return self.update(params, state, acc)
+
+
+class OptaxMultiSteps(Way):
+    """optax.MultiSteps, one jitted call per micro-batch (params and state donated). It averages
+    micro-batch mean gradients: with token weights (the transformer) it is not the exact
+    token mean, only the same amount of work."""
+
+    name = "optax.MultiSteps"
+    per_call = True
+
+    def __init__(self, fam: Family, k: int) -> None:
+        super().__init__(fam, k)
+        self.optimizer = optax.MultiSteps(fam.optimizer, k).gradient_transformation()
+
+    def build(self, params: Any, state: Any) -> None:
+        apply, value = _apply(self.optimizer), _value(self.fam)
+        fn = jax.jit(lambda p, s, b: apply(p, s, jax.grad(value)(p, b)), donate_argnums=(0, 1))
+        self.fn = self._compile(fn, params, state, self.data()[0])
+
+    def step(self, params: Any, state: Any, micro_batches: Any) -> Any:
+        for micro in micro_batches:
+            params, state = self.fn(params, state, micro)
+        return params, state
+
+
+class OptaxMicrobatching(Way):
+    """optax.microbatching.microbatch around the gradient (a fori_loop), one update, one jit;
+    weighted: it sums (w * grad, w) and divides, which is exact."""
+
+    name = "optax.microbatching"
+
+    def program(self, donate: bool) -> Any:
+        fam, apply, size = self.fam, _apply(self.fam.optimizer), self.fam.size // self.k
+        mb = optax.microbatching
+
+        def weighted_grads(p: Any, batch: Any) -> Any:
+            (_, w), g = jax.value_and_grad(fam.loss, has_aux=True)(p, batch)
+            return jax.tree.map(lambda x: w * x.astype(jnp.float32), g), w
+
+        def step(p: Any, s: Any, batch: Any) -> Any:
+            if fam.weighted:
+                summed = mb.microbatch(weighted_grads, argnums=1, microbatch_size=size,
+                                       accumulator=mb.AccumulationType.SUM)
+                g, total = summed(p, batch)
+                grads = jax.tree.map(lambda a, x: (a / total).astype(x.dtype), g, p)
+            else:
+                grads = mb.microbatch(jax.grad(fam.loss), argnums=1, microbatch_size=size,
+                                      accumulator=mb.AccumulationType.MEAN)(p, batch)
+            return apply(p, s, grads)
+
+        return jax.jit(step, donate_argnums=_donate(donate))
+
+
+WAYS = (Full, TrainStep, Proposed, PythonLoop, OptaxMultiSteps, OptaxMicrobatching)
+
+
+def _copy(tree: Any) -> Any:
+    return jax.tree.map(jnp.copy, tree)
+
+
+def run_k(
+    fam: Family, k: int, ways: tuple[type[Way], ...], rounds: int, undonated: bool
+) -> dict[str, Any]:
+    """Builds every way for this k, then times them interleaved, round by round."""
+    built = []
+    for cls in ways:
+        way = cls(fam, k)
+        opt = getattr(way, "optimizer", fam.optimizer)
+        params = _copy(fam.params)
+        state = opt.init(params)
+        way.build(params, state)
+        if undonated:
+            way.measure_undonated(params, state)
+        built.append([way, params, state, way.data()])
+    times: dict[str, list[float]] = {w.name: [] for w, *_ in built}
+    for r in range(rounds + 1):  # the first round warms up
+        for entry in built:
+            way, params, state, data = entry
+            start = time.perf_counter()
+            out = jax.block_until_ready(way.step(params, state, data))
+            if r:
+                times[way.name].append(time.perf_counter() - start)
+            entry[1], entry[2] = out[0], out[1]
+    row = {}
+    base = {n: statistics.median(times[n]) for n in times}
+    for way, *_ in built:
+        t = base[way.name]
+        row[way.name] = {
+            "ms": t * 1e3,
+            "items_per_s": fam.items / t,
+            "ratio_to_full": t / base[Full.name] if Full.name in base else None,
+            "ratio_to_loop": t / base[PythonLoop.name] if PythonLoop.name in base else None,
+            "temp_bytes": way.temp,
+            "temp_bytes_undonated": way.temp_undonated,
+            "compile_s": way.compile_s,
+        }
+    return row
+
+
+def main_families(args: argparse.Namespace) -> None:
+    fams = families(args.quick, args.lm_batch)
+    results: dict[str, Any] = {"machine": machine(), "quick": args.quick, "families": {}}
+    for key in args.families:
+        fam = fams[key]
+        ways: tuple[type[Way], ...] = WAYS
+        ks = [k for k in args.ks if fam.size % k == 0 and k <= fam.size]
+        if key == "transformer_bf16":
+            ways = (Full, TrainStep, Proposed, PythonLoop)
+            ks = [k for k in ks if k in (1, 8)]
+        if args.quick:
+            ks = [k for k in ks if k in (1, 4, 16, 64)]
+        rounds = args.rounds or {"mlp": 30, "cnn": 4}.get(key, 3)
+        if args.quick:
+            rounds = max(1, rounds // 3)
+        entry: dict[str, Any] = {
+            "name": fam.name, "unit": fam.unit, "batch": fam.size, "items_per_step": fam.items,
+            "rounds": rounds, "param_bytes": fam.param_bytes(), "by_k": {},
+        }
+        for k in ks:
+            row = run_k(fam, k, ways, rounds, undonated=key == "mlp")
+            if k == ks[0]:
+                entry["full_temp_bytes"] = row[Full.name]["temp_bytes"]
+            entry["by_k"][k] = row
+            print(
+                f"{key:16s} k={k:3d} "
+                + "  ".join(
+                    f"{n}: {v['ms']:.1f}ms {v['temp_bytes'] / 2**20:.2f}MiB {v['compile_s']:.1f}s"
+                    for n, v in row.items()
+                ),
+                flush=True,
+            )
+        results["families"][key] = entry
+    path = save(args.out, results)
+    plot_families(results, args.out)
+    print(f"wrote {path} and {result_path(args.out, 'png')}")
+
+
+def plot_families(results: dict[str, Any], name: str = "models") -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    entries = results["families"]
+    fig, axes = plt.subplots(2, len(entries), figsize=(5 * len(entries), 8), squeeze=False)
+    for col, entry in enumerate(entries.values()):
+        by_k = {int(k): row for k, row in entry["by_k"].items()}
+        ks = sorted(by_k)
+        for name in by_k[ks[0]]:
+            axes[0][col].plot(ks, [by_k[k][name]["items_per_s"] for k in ks], marker="o",
+                              label=name)
+            axes[1][col].plot(ks, [by_k[k][name]["temp_bytes"] / 2**20 for k in ks], marker="o",
+                              label=name)
+        target = [(1.1 * entry["param_bytes"] + 1.2 * entry["full_temp_bytes"] / k) / 2**20
+                  for k in ks]
+        axes[1][col].plot(ks, target, "k--", label="target 1.1P + 1.2A/k")
+        axes[0][col].set_title(entry["name"], fontsize=8)
+        axes[0][col].set_ylabel(f"{entry['unit']} per second")
+        axes[1][col].set_ylabel("temp MiB (memory_analysis, params donated)")
+        for ax in (axes[0][col], axes[1][col]):
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xlabel("k")
+            ax.grid(True, which="both", alpha=0.3)
+    axes[0][0].legend(fontsize=6)
+    axes[1][0].legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(result_path(name, "png"), dpi=100)
+    plt.close(fig)
+
+
+# --- the CNN loop study ----------------------------------------------------------------------
+
+
+def _hand_scan(loss: Callable[..., Any], k: int) -> Callable[..., Any]:
+    """The textbook loop: contiguous micro-batches, one lax.scan, a tree sum, one division."""
+
+    def fn(params: Any, batch: Any) -> Any:
+        xs = jax.tree.map(lambda x: x.reshape((k, x.shape[0] // k) + x.shape[1:]), batch)
+
+        def body(acc: Any, micro: Any) -> Any:
+            return jax.tree.map(jnp.add, acc, jax.value_and_grad(loss)(params, micro)), None
+
+        zero = (jnp.zeros(()), jax.tree.map(jnp.zeros_like, params))
+        (value, grads), _ = jax.lax.scan(body, zero, xs)
+        return value / k, jax.tree.map(lambda g: g / k, grads)
+
+    return fn
+
+
+class _LoopVG:
+    """A Python loop of k jitted micro-batch value_and_grad calls, summed on device."""
+
+    def __init__(self, loss: Callable[..., Any], k: int) -> None:
+        self.k = k
+        self.add = jax.jit(
+            lambda acc, p, b: jax.tree.map(jnp.add, acc, jax.value_and_grad(loss)(p, b)),
+            donate_argnums=0,
+        )
+        self.first = jax.jit(jax.value_and_grad(loss))
+        self.scale = jax.jit(lambda acc: jax.tree.map(lambda x: x / k, acc), donate_argnums=0)
+
+    def compile(self, params: Any, batch: Any) -> tuple[Callable[..., Any], float, int]:
+        micro = _micro_batches(batch, self.k)
+        first, s1, t1 = compile_timed(self.first, params, micro[0])
+        acc = first(params, micro[0])
+        add, s2, t2 = compile_timed(self.add, acc, params, micro[0])
+        scale, s3, _ = compile_timed(self.scale, acc)
+
+        def run(params: Any, micro_batches: Any) -> Any:
+            acc = first(params, micro_batches[0])
+            for m in micro_batches[1:]:
+                acc = add(acc, params, m)
+            return scale(acc)
+
+        return run, s1 + s2 + s3, max(t1, t2)
+
+
+_HEADER = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*\(.*\{\s*$")
+
+
+def hlo_summary(hlo: str) -> dict[str, Any]:
+    """What the compiled program runs where: each convolution/dot counted by (where it sits:
+    in the entry or inside a while loop) x (how it runs: ``ynn`` = a YNNPACK fusion, ``loop``
+    = an XLA loop fusion, ``thunk`` = its own thunk, Eigen when canonical, naive loops
+    otherwise) x (convolutions: canonical NHWC/HWIO dimension labels or not); plus the
+    transposes/copies in loop bodies and in the entry."""
+    comps: dict[str, list[str]] = {}
+    current = None
+    for line in hlo.splitlines():
+        match = _HEADER.match(line.strip())
+        if match and current is None:
+            current = comps.setdefault(match.group(1), [])
+        elif line.strip() == "}":
+            current = None
+        elif current is not None:
+            current.append(line)
+    parent: dict[str, tuple[str, str]] = {}
+    for name, lines in comps.items():
+        for line in lines:
+            for callee in re.findall(r"calls=%?([\w.\-]+)", line):
+                kind = "ynn" if "__ynn_fusion" in line else "fusion"
+                parent[callee] = (kind, name)
+            for callee in re.findall(r"body=%?([\w.\-]+)", line):
+                parent[callee] = ("while", name)
+
+    def path(comp: str) -> list[str]:
+        out = []
+        while comp in parent:
+            kind, comp = parent[comp]
+            out.append(kind)
+        return out
+
+    ops: dict[str, int] = {}
+    moves: dict[str, int] = {}
+    for name, lines in comps.items():
+        where = "loop" if "while" in path(name) else "entry"
+        for line in lines:
+            op = re.search(r"= \S+ (convolution|dot|transpose|copy)\(", line)
+            if not op:
+                continue
+            if op.group(1) in ("transpose", "copy"):
+                key = f"{op.group(1)} in {where}"
+                moves[key] = moves.get(key, 0) + 1
+                continue
+            kinds = path(name)
+            runs = kinds[0] if kinds and kinds[0] != "while" else "thunk"
+            label = ""
+            if op.group(1) == "convolution":
+                dims = re.search(r"dim_labels=([^ ,]+)", line)
+                canonical = bool(dims) and re.fullmatch(r"b(0?1?2?)f_\1io->b\1f", dims.group(1))
+                label = " canonical" if canonical else f" {dims.group(1) if dims else '?'}"
+            key = f"{op.group(1)}{label} {runs} in {where}"
+            ops[key] = ops.get(key, 0) + 1
+    return {"ops": ops, "moves": moves}
+
+
+def _loop_variants(loss: Callable[..., Any], k: int, full_unroll_max: int) -> dict[str, Any]:
+    """name -> (jitted value_and_grad, tracing context)."""
+    vg = lambda **kw: jax.jit(jaxaccum.value_and_grad(loss, num_microbatches=k, **kw))  # noqa: E731
+    none = contextlib.nullcontext
+    proposed = functools.partial(variant, convs=True, indexing=True)
+    out = {
+        "full batch": (jax.jit(jax.value_and_grad(loss)), none),
+        "jaxaccum": (vg(), none),
+        "jaxaccum unroll=2": (vg(unroll=2), none),
+        "jaxaccum unroll=4": (vg(unroll=4), none),
+        "jaxaccum unroll=k": (vg(unroll=k), none),
+        "hand-written lax.scan": (jax.jit(_hand_scan(loss, k)), none),
+        "Python loop": (_LoopVG(loss, k), none),
+        "proposed": (vg(), proposed),
+        "proposed unroll=2": (vg(unroll=2), proposed),
+        "proposed unroll=4": (vg(unroll=4), proposed),
+        "convs only (swapaxes split)": (vg(), functools.partial(variant, convs=True)),
+        "convs only, contiguous split": (
+            vg(), functools.partial(variant, convs=True, contiguous=True)
+        ),
+    }
+    if k < 4:
+        del out["jaxaccum unroll=4"], out["proposed unroll=4"]
+    if k < 2:
+        for name in ("jaxaccum unroll=2", "proposed unroll=2", "jaxaccum unroll=k"):
+            del out[name]
+    if k > full_unroll_max:
+        out.pop("jaxaccum unroll=k", None)
+    return out
+
+
+def _study(
+    loss: Callable[..., Any], params: Any, batch: Any, k: int, variants: dict[str, Any],
+    rounds: int,
+) -> dict[str, Any]:
+    """Compiles every variant (timed, temp bytes, HLO summary), checks it against the full
+    batch's value and gradient, then times them interleaved, round by round."""
+    reference = jax.jit(jax.value_and_grad(loss))(params, batch)
+    built = {}
+    for name, (fn, context) in variants.items():
+        if isinstance(fn, _LoopVG):
+            run, seconds, temp = fn.compile(params, batch)
+            data, hlo = _micro_batches(batch, k), None
+        else:
+            with context():
+                compiled, seconds, temp = compile_timed(fn, params, batch)
+            run, data, hlo = compiled, batch, hlo_summary(compiled.as_text())
+        out = run(params, data)
+        err = max(
+            float(jnp.max(jnp.abs(a - b)))
+            for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(reference), strict=True)
+        )
+        info = {"temp_bytes": temp, "compile_s": seconds, "max_abs_diff": err, "hlo": hlo}
+        built[name] = (run, data, info)
+    times: dict[str, list[float]] = {name: [] for name in built}
+    for r in range(rounds + 1):  # the first round warms up
+        for name, (run, data, _) in built.items():
+            start = time.perf_counter()
+            jax.block_until_ready(run(params, data))
+            if r:
+                times[name].append(time.perf_counter() - start)
+    row = {name: {"ms": statistics.median(times[name]) * 1e3, **info}
+           for name, (_, _, info) in built.items()}
+    for name in row:
+        row[name]["ratio_to_full"] = row[name]["ms"] / row["full batch"]["ms"]
+        row[name]["ratio_to_loop"] = row[name]["ms"] / row["Python loop"]["ms"]
+    for name, v in row.items():
+        print(f"k={k:3d} {name:30s} {v['ms']:9.2f} ms ({v['ratio_to_full']:5.2f}x full, "
+              f"{v['ratio_to_loop']:5.2f}x loop)  temp {v['temp_bytes'] / 2**20:7.2f} MiB  "
+              f"compile {v['compile_s']:5.2f} s  diff {v['max_abs_diff']:.1e}", flush=True)
+    return row
+
+
+def compile_study(repeats: int = 3) -> dict[str, Any]:
+    """Lower + compile seconds (the minimum over ``repeats`` fresh jits, the least disturbed by
+    other load) of the CNN's and the gist MLP's value_and_grad at k = 2, 8, 64."""
+    out: dict[str, Any] = {}
+    cases = {
+        "cnn": (cnn_loss, cnn_params(jax.random.key(0)), cnn_data(256)),
+        "mlp": (mlp_loss, GIST.params(), GIST.data()),
+    }
+    for model, (loss, params, batch) in cases.items():
+        rows: dict[str, Any] = {}
+        for name, unroll, context in (
+            ("jaxaccum", None, contextlib.nullcontext),
+            ("proposed", None, functools.partial(variant, convs=True, indexing=True)),
+            ("jaxaccum unroll=k", "k", contextlib.nullcontext),
+        ):
+            for k in (2, 8, 64):
+                seconds = []
+                for _ in range(repeats):
+                    kw = {"unroll": k} if unroll else {}
+                    fn = jax.jit(jaxaccum.value_and_grad(loss, num_microbatches=k, **kw))
+                    with context():
+                        seconds.append(compile_timed(fn, params, batch)[1])
+                rows.setdefault(name, {})[k] = {"min_s": min(seconds), "all_s": seconds}
+            ratio = rows[name][64]["min_s"] / rows[name][2]["min_s"]
+            rows[name]["ratio_64_to_2"] = ratio
+            print(f"compile {model} {name:18s} " + "  ".join(
+                f"k={k}: {rows[name][k]['min_s']:.2f}s" for k in (2, 8, 64)
+            ) + f"  k=64/k=2: {ratio:.2f}", flush=True)
+        out[model] = rows
+    return out
+
+
+def loop_study(args: argparse.Namespace) -> None:
+    ks = [k for k in args.ks if not args.quick or k in (1, 8, 64)]
+    cnn_rounds = args.rounds or (2 if args.quick else 4)
+    results: dict[str, Any] = {"machine": machine(), "cnn": {}, "mlp": {}, "nnx": {}}
+    params, batch = cnn_params(jax.random.key(0)), cnn_data(256)
+    results["cnn"] = {"model": "CNN (2 conv + BatchNorm eval), 28x28x1, batch 256",
+                      "rounds": cnn_rounds, "by_k": {}}
+    for k in ks:
+        variants = _loop_variants(cnn_loss, k, full_unroll_max=64)
+        results["cnn"]["by_k"][k] = _study(cnn_loss, params, batch, k, variants, cnn_rounds)
+    nnx_loss, nnx_params = nnx_cnn()
+    vg = jax.jit(jaxaccum.value_and_grad(nnx_loss, num_microbatches=8))
+    results["nnx"] = {"model": "the same CNN in flax NNX (nnx.Conv, nnx.BatchNorm eval)", "k": 8,
+                      "row": _study(nnx_loss, nnx_params, batch, 8, {
+        "full batch": (jax.jit(jax.value_and_grad(nnx_loss)), contextlib.nullcontext),
+        "jaxaccum": (vg, contextlib.nullcontext),
+        "Python loop": (_LoopVG(nnx_loss, 8), contextlib.nullcontext),
+        "proposed": (jax.jit(jaxaccum.value_and_grad(nnx_loss, num_microbatches=8)),
+                     functools.partial(variant, convs=True, indexing=True)),
+    }, cnn_rounds)}
+    mlp_rounds = 10 if args.quick else 40
+    results["mlp"] = {"model": f"gist MLP 784-100-10, batch {GIST.batch}", "rounds": mlp_rounds,
+                      "by_k": {}}
+    for k in ks:
+        variants = _loop_variants(mlp_loss, k, full_unroll_max=64)
+        for name in ("convs only (swapaxes split)", "convs only, contiguous split"):
+            variants.pop(name)
+        results["mlp"]["by_k"][k] = _study(
+            mlp_loss, GIST.params(), GIST.data(), k, variants, mlp_rounds
+        )
+    results["compile"] = compile_study(repeats=2 if args.quick else 3)
+    path = save("models_loops", results)
+    print(f"wrote {path}")
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
+
+
+def report(args: argparse.Namespace) -> None:
+    """Prints the saved results as Markdown tables."""
+    import json
+
+    path = result_path(args.out, "json")
+    if path.exists():
+        for entry in json.loads(path.read_text())["families"].values():
+            by_k = {int(k): row for k, row in entry["by_k"].items()}
+            names = list(by_k[min(by_k)])
+            mib, P = 2**20, entry["param_bytes"]
+            A = entry["full_temp_bytes"]
+            print(f"\n**{entry['name']}**: ms per step (x full batch, x Python loop); "
+                  f"{entry['unit']}/s of the proposed step\n")
+            rows = []
+            for k, row in sorted(by_k.items()):
+                cells = [f"{v['ms']:.1f} ({v['ratio_to_full']:.2f}x, {v['ratio_to_loop']:.2f}x)"
+                         for v in row.values()]
+                rows.append([str(k), *cells])
+            print(_table(["k", *names], rows))
+            print(f"\ntemp MiB (params donated), P = {P / mib:.2f} MiB, A = {A / mib:.2f} MiB; "
+                  "compile s\n")
+            rows = []
+            for k, row in sorted(by_k.items()):
+                target = (1.1 * P + 1.2 * A / k) / mib
+                cells = [f"{v['temp_bytes'] / mib:.2f} / {v['compile_s']:.1f}s"
+                         for v in row.values()]
+                rows.append([str(k), f"{target:.2f}", *cells])
+            print(_table(["k", "1.1P+1.2A/k", *names], rows))
+    path = result_path("models_loops", "json")
+    if path.exists():
+        loops = json.loads(path.read_text())
+        for model in ("cnn", "mlp"):
+            by_k = {int(k): row for k, row in loops[model]["by_k"].items()}
+            names = sorted({n for row in by_k.values() for n in row}, key=list(by_k[8]).index
+                           if 8 in by_k else None)
+            print(f"\n**loop study, {loops[model]['model']}**: ms (x full batch) / temp MiB\n")
+            rows = []
+            for k, row in sorted(by_k.items()):
+                rows.append([str(k)] + [
+                    f"{row[n]['ms']:.1f} ({row[n]['ratio_to_full']:.2f}x) / "
+                    f"{row[n]['temp_bytes'] / 2**20:.2f}" if n in row else "" for n in names
+                ])
+            print(_table(["k", *names], rows))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "what", nargs="?", default="families", choices=("families", "loops", "report")
+    )
+    parser.add_argument("--families", nargs="+", default=["mlp", "cnn", "transformer",
+                                                          "transformer_bf16"])
+    parser.add_argument("--ks", nargs="+", type=int, default=list(KS))
+    parser.add_argument("--rounds", type=int, default=None)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--lm-batch", type=int, default=32, help="the transformer's batch")
+    parser.add_argument("--out", default="models", help="results/OUT.json and OUT.png")
+    args = parser.parse_args()
+    if not args.out.startswith("models"):
+        parser.error("--out must start with 'models'")
+    if args.what == "loops":
+        loop_study(args)
+    elif args.what == "report":
+        report(args)
+    else:
+        main_families(args)
+
+
+if __name__ == "__main__":
+    main()
