@@ -138,30 +138,10 @@ def collective_counts(hlo: str) -> dict[str, int]:
     Returns:
       ``{"all-reduce": n, "all-reduce in loops": m, "all-gather": ..., ...}`` (zero counts kept).
     """
-    comps = _computations(hlo)
-    in_loop: set[str] = set()
-    frontier = [
-        name
-        for lines in comps.values()
-        for line in lines
-        if " while(" in line
-        for name in re.findall(r"body=%?([\w.\-]+)", line)
-    ]
-    while frontier:
-        name = frontier.pop()
-        if name in in_loop or name not in comps:
-            continue
-        in_loop.add(name)
-        for line in comps[name]:
-            for group in _REF.findall(line):
-                frontier.extend(n.strip().lstrip("%") for n in group.split(","))
     counts: Counter[str] = Counter({op: 0 for op in _OPS})
     counts.update({f"{op} in loops": 0 for op in _OPS})
-    for name, lines in comps.items():
-        for line in lines:
-            op = _op_name(line)
-            if op:
-                counts[op] += 1
-                if name in in_loop:
-                    counts[f"{op} in loops"] += 1
+    for op, in_loop, _, _ in collectives(hlo):
+        counts[op] += 1
+        if in_loop:
+            counts[f"{op} in loops"] += 1
     return dict(counts)
