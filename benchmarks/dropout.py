@@ -146,8 +146,10 @@ def randomness(kind: str, batch_size: int, key: Any) -> tuple[Any, Any]:
 
 
 def _rng(kind: str, per_example: Any, whole: Any) -> Any:
-    return (whole, per_example) if kind == "counter hash" else (
-        whole if kind == "one key" else per_example
+    return (
+        (whole, per_example)
+        if kind == "counter hash"
+        else (whole if kind == "one key" else per_example)
     )
 
 
@@ -200,9 +202,10 @@ def lm_loss(kind: str) -> Callable[..., Any]:
             h = jax.nn.gelu(_layer_norm(x, layer["ln2"]) @ layer["w1"] + layer["b1"])
             x = x + dropout(h @ layer["w2"] + layer["b2"], rng, kind, 0.9, 2 * i + 1)
         logits = _layer_norm(x, params["ln_f"]) @ params["head"]
-        ce = jax.nn.logsumexp(logits, -1) - jnp.take_along_axis(logits, targets[..., None], -1)[
-            ..., 0
-        ]
+        ce = (
+            jax.nn.logsumexp(logits, -1)
+            - jnp.take_along_axis(logits, targets[..., None], -1)[..., 0]
+        )
         count = mask.sum()
         return (ce * mask).sum() / jnp.maximum(count, 1.0), count
 
@@ -220,10 +223,19 @@ def child(impl: str, rounds: int, ks: list[int]) -> dict[str, Any]:
 
     models: dict[str, Any] = {
         "dropout MLP 784-512-512-10, keep 0.8, batch 256": (
-            mlp_loss, mlp_params(), mlp_batch(256), False, optax.sgd(1e-2)),
+            mlp_loss,
+            mlp_params(),
+            mlp_batch(256),
+            False,
+            optax.sgd(1e-2),
+        ),
         "transformer LM 4x128, residual dropout keep 0.9, batch 32": (
-            lm_loss, lm_params(jax.random.key(0)),
-            tuple(lm_data(32)[n] for n in ("inputs", "targets", "mask")), True, optax.adam(1e-3)),
+            lm_loss,
+            lm_params(jax.random.key(0)),
+            tuple(lm_data(32)[n] for n in ("inputs", "targets", "mask")),
+            True,
+            optax.adam(1e-3),
+        ),
     }
     out: dict[str, Any] = {"impl": impl, "models": {}}
     for name, (make_loss, params, data, weighted, opt) in models.items():
@@ -239,7 +251,8 @@ def child(impl: str, rounds: int, ks: list[int]) -> dict[str, Any]:
                     loss, opt, num_microbatches=k, weighted=weighted, donate=False
                 )
                 ways[(kind, f"train_step k={k}")] = (
-                    step.lower(params, state, batch, whole).compile(), (params, state, batch, whole)
+                    step.lower(params, state, batch, whole).compile(),
+                    (params, state, batch, whole),
                 )
             value = (lambda f: lambda p, b, w: f(p, b, w)[0])(loss) if weighted else loss
 
@@ -265,10 +278,15 @@ def child(impl: str, rounds: int, ks: list[int]) -> dict[str, Any]:
             table.setdefault(way, {})[kind] = {"ms": t * 1e3, "ratio_to_baseline": t / base}
         out["models"][name] = table
         for way, row in table.items():
-            cells = [f"{kind}: {v['ms']:.1f} ms ({v['ratio_to_baseline']:.2f}x)"
-                     for kind, v in row.items()]
-            print(f"[{impl}] {name[:24]:24s} {way:16s} " + "  ".join(cells),
-                  file=sys.stderr, flush=True)
+            cells = [
+                f"{kind}: {v['ms']:.1f} ms ({v['ratio_to_baseline']:.2f}x)"
+                for kind, v in row.items()
+            ]
+            print(
+                f"[{impl}] {name[:24]:24s} {way:16s} " + "  ".join(cells),
+                file=sys.stderr,
+                flush=True,
+            )
     out["invariance"] = invariance_check()
     out["hash_statistics"] = hash_statistics()
     return out
@@ -302,8 +320,13 @@ def hash_statistics() -> dict[str, float]:
         "corr_adjacent_positions": c(m[:, 1:], m[:, :-1]),
         "corr_adjacent_examples": c(m[1:], m[:-1]),
         "corr_other_salt": c(
-            m, np.asarray(counter_hash_bits(seed ^ jnp.uint32(0x27D4EB2F), jnp.arange(4096),
-                                            (1024,)) < _threshold(0.8), float)),
+            m,
+            np.asarray(
+                counter_hash_bits(seed ^ jnp.uint32(0x27D4EB2F), jnp.arange(4096), (1024,))
+                < _threshold(0.8),
+                float,
+            ),
+        ),
     }
 
 
@@ -322,9 +345,19 @@ def main() -> None:
     results: dict[str, Any] = {"machine": machine(), "rounds": args.rounds, "by_impl": {}}
     for impl in args.impls:
         proc = subprocess.run(
-            [sys.executable, __file__, "--child", impl, "--rounds", str(args.rounds), "--ks",
-             *map(str, args.ks)],
-            check=True, stdout=subprocess.PIPE, text=True,
+            [
+                sys.executable,
+                __file__,
+                "--child",
+                impl,
+                "--rounds",
+                str(args.rounds),
+                "--ks",
+                *map(str, args.ks),
+            ],
+            check=True,
+            stdout=subprocess.PIPE,
+            text=True,
         )
         results["by_impl"][impl] = json.loads(proc.stdout)
     path = save("dropout", results)

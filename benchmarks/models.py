@@ -24,9 +24,11 @@ Every program is compiled ahead of time once: its compile time (lower + compile)
 full batch, of jaxaccum with ``unroll`` 1, 2, 4 and k, a hand-written ``lax.scan``, a Python
 loop, and the proposed change with strided and contiguous micro-batches.
 
-    python benchmarks/models.py                 # families, ~10 min on 2 cores
-    python benchmarks/models.py --quick         # ~3 min: fewer k and rounds
-    python benchmarks/models.py loops           # ~10 min: results/models_loops.json
+    python benchmarks/models.py                 # families, ~8 min on 2 cores: results/models.*
+    python benchmarks/models.py --quick         # ~2.5 min: fewer k and rounds: models_quick.*
+    python benchmarks/models.py --families cnn --rounds 12 --out models_cnn_r12   # a repeat
+    python benchmarks/models.py loops           # ~15 min: results/models_loops.json
+    python benchmarks/models.py report          # the tables of the saved results
 """
 
 from __future__ import annotations
@@ -209,17 +211,14 @@ def _contiguous_split(cfg: Any, args: Any, k: int) -> tuple[Any, ...]:
     return tuple(jax.tree.map(contiguous, args[i]) for i in cfg.split_argnums)
 
 
-def _indexing_scan(
-    cfg: Any, args: Any, k: int, sums: Any = None, batches: Any = None
-) -> Any:
+def _indexing_scan(cfg: Any, args: Any, k: int, sums: Any = None, batches: Any = None) -> Any:
     """``scan_microbatches`` without the transposed copy of the batch: each batch leaf is
     viewed as (B/k, k, ...) (a bitcast) and the body takes micro-batch i with a dynamic index
     on axis 1 (a strided gather of one micro-batch), scanning over ``arange(k)``."""
     if batches is not None or k == 1:  # split by a caller (explicit meshes), or no loop
         return _ORIGINAL["scan_microbatches"](cfg, args, k, sums, batches)
     views = tuple(
-        jax.tree.map(lambda x: jnp.asarray(x).reshape((x.shape[0] // k, k) + x.shape[1:]),
-                     args[i])
+        jax.tree.map(lambda x: jnp.asarray(x).reshape((x.shape[0] // k, k) + x.shape[1:]), args[i])
         for i in cfg.split_argnums
     )
     # only traced abstractly by check_output (types, shardings kept); dead in the program
@@ -389,9 +388,10 @@ def lm_logits(params: dict[str, Any], tokens: jax.Array) -> jax.Array:
 def lm_loss(params: dict[str, Any], batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
     """``(mean cross-entropy over valid tokens, number of valid tokens)``: ``weighted=True``."""
     logits = lm_logits(params, batch["inputs"])
-    ce = jax.nn.logsumexp(logits, -1) - jnp.take_along_axis(
-        logits, batch["targets"][..., None], -1
-    )[..., 0]
+    ce = (
+        jax.nn.logsumexp(logits, -1)
+        - jnp.take_along_axis(logits, batch["targets"][..., None], -1)[..., 0]
+    )
     mask = batch["mask"]
     count = mask.sum()
     return (ce * mask).sum() / jnp.maximum(count, 1.0), count
@@ -432,24 +432,40 @@ class Family:
 def families(quick: bool, lm_batch: int = 32) -> dict[str, Family]:
     return {
         "mlp": Family(
-            "mlp", f"gist MLP 784-100-10, batch {GIST.batch}", mlp_loss, GIST.params(),
-            GIST.data(), optax.sgd(1e-2),
+            "mlp",
+            f"gist MLP 784-100-10, batch {GIST.batch}",
+            mlp_loss,
+            GIST.params(),
+            GIST.data(),
+            optax.sgd(1e-2),
         ),
         "cnn": Family(
-            "cnn", "CNN (2 conv + BatchNorm eval), 28x28x1, batch 256", cnn_loss,
-            cnn_params(jax.random.key(0)), cnn_data(256), optax.sgd(1e-2),
+            "cnn",
+            "CNN (2 conv + BatchNorm eval), 28x28x1, batch 256",
+            cnn_loss,
+            cnn_params(jax.random.key(0)),
+            cnn_data(256),
+            optax.sgd(1e-2),
         ),
         "transformer": Family(
             "transformer",
             f"decoder LM 4x128, 4 heads, seq 128, vocab 256, batch {lm_batch} (token-weighted)",
-            lm_loss, lm_params(jax.random.key(0)), lm_data(lm_batch), optax.adam(1e-3),
-            weighted=True, unit="tokens",
+            lm_loss,
+            lm_params(jax.random.key(0)),
+            lm_data(lm_batch),
+            optax.adam(1e-3),
+            weighted=True,
+            unit="tokens",
         ),
         "transformer_bf16": Family(
             "transformer_bf16",
             f"the same LM, bfloat16 params (float32 accumulation), batch {lm_batch}",
-            lm_loss, lm_params(jax.random.key(0), jnp.bfloat16), lm_data(lm_batch),
-            optax.adam(1e-3), weighted=True, unit="tokens",
+            lm_loss,
+            lm_params(jax.random.key(0), jnp.bfloat16),
+            lm_data(lm_batch),
+            optax.adam(1e-3),
+            weighted=True,
+            unit="tokens",
         ),
     }
 
@@ -538,8 +554,9 @@ class Full(Way):
 
     def program(self, donate: bool) -> Any:
         apply, value = _apply(self.fam.optimizer), _value(self.fam)
-        return jax.jit(lambda p, s, b: apply(p, s, jax.grad(value)(p, b)),
-                       donate_argnums=_donate(donate))
+        return jax.jit(
+            lambda p, s, b: apply(p, s, jax.grad(value)(p, b)), donate_argnums=_donate(donate)
+        )
 
 
 class TrainStep(Way):
@@ -548,8 +565,11 @@ class TrainStep(Way):
 
     def program(self, donate: bool) -> Any:
         return jaxaccum.train_step(
-            self.fam.loss, self.fam.optimizer, num_microbatches=self.k,
-            weighted=self.fam.weighted, donate=donate,
+            self.fam.loss,
+            self.fam.optimizer,
+            num_microbatches=self.k,
+            weighted=self.fam.weighted,
+            donate=donate,
         )
 
     def context(self) -> Any:
@@ -590,8 +610,9 @@ class PythonLoop(Way):
             grads, total = acc
             return apply(p, s, jax.tree.map(lambda a, x: (a / total).astype(x.dtype), grads, p))
 
-        zeros = jax.jit(lambda p: (jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), p),
-                                   jnp.zeros(())))
+        zeros = jax.jit(
+            lambda p: (jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), p), jnp.zeros(()))
+        )
         self.zeros = self._compile(zeros, params)
         acc = self.zeros(params)
         self.add = self._compile(jax.jit(add, donate_argnums=1), params, acc, self.data()[0])
@@ -643,13 +664,21 @@ class OptaxMicrobatching(Way):
 
         def step(p: Any, s: Any, batch: Any) -> Any:
             if fam.weighted:
-                summed = mb.microbatch(weighted_grads, argnums=1, microbatch_size=size,
-                                       accumulator=mb.AccumulationType.SUM)
+                summed = mb.microbatch(
+                    weighted_grads,
+                    argnums=1,
+                    microbatch_size=size,
+                    accumulator=mb.AccumulationType.SUM,
+                )
                 g, total = summed(p, batch)
                 grads = jax.tree.map(lambda a, x: (a / total).astype(x.dtype), g, p)
             else:
-                grads = mb.microbatch(jax.grad(fam.loss), argnums=1, microbatch_size=size,
-                                      accumulator=mb.AccumulationType.MEAN)(p, batch)
+                grads = mb.microbatch(
+                    jax.grad(fam.loss),
+                    argnums=1,
+                    microbatch_size=size,
+                    accumulator=mb.AccumulationType.MEAN,
+                )(p, batch)
             return apply(p, s, grads)
 
         return jax.jit(step, donate_argnums=_donate(donate))
@@ -717,13 +746,19 @@ def main_families(args: argparse.Namespace) -> None:
         if args.quick:
             rounds = max(1, rounds // 3)
         entry: dict[str, Any] = {
-            "name": fam.name, "unit": fam.unit, "batch": fam.size, "items_per_step": fam.items,
-            "rounds": rounds, "param_bytes": fam.param_bytes(), "by_k": {},
+            "name": fam.name,
+            "unit": fam.unit,
+            "batch": fam.size,
+            "items_per_step": fam.items,
+            "rounds": rounds,
+            "param_bytes": fam.param_bytes(),
+            "by_k": {},
         }
         for k in ks:
-            row = run_k(fam, k, ways, rounds, undonated=key == "mlp")
+            row = run_k(fam, k, ways, rounds, undonated=not args.quick)
             if k == ks[0]:
                 entry["full_temp_bytes"] = row[Full.name]["temp_bytes"]
+                entry["full_temp_bytes_undonated"] = row[Full.name]["temp_bytes_undonated"]
             entry["by_k"][k] = row
             print(
                 f"{key:16s} k={k:3d} "
@@ -750,13 +785,14 @@ def plot_families(results: dict[str, Any], name: str = "models") -> None:
     for col, entry in enumerate(entries.values()):
         by_k = {int(k): row for k, row in entry["by_k"].items()}
         ks = sorted(by_k)
-        for name in by_k[ks[0]]:
-            axes[0][col].plot(ks, [by_k[k][name]["items_per_s"] for k in ks], marker="o",
-                              label=name)
-            axes[1][col].plot(ks, [by_k[k][name]["temp_bytes"] / 2**20 for k in ks], marker="o",
-                              label=name)
-        target = [(1.1 * entry["param_bytes"] + 1.2 * entry["full_temp_bytes"] / k) / 2**20
-                  for k in ks]
+        for way in by_k[ks[0]]:
+            axes[0][col].plot(ks, [by_k[k][way]["items_per_s"] for k in ks], marker="o", label=way)
+            axes[1][col].plot(
+                ks, [by_k[k][way]["temp_bytes"] / 2**20 for k in ks], marker="o", label=way
+            )
+        target = [
+            (1.1 * entry["param_bytes"] + 1.2 * entry["full_temp_bytes"] / k) / 2**20 for k in ks
+        ]
         axes[1][col].plot(ks, target, "k--", label="target 1.1P + 1.2A/k")
         axes[0][col].set_title(entry["name"], fontsize=8)
         axes[0][col].set_ylabel(f"{entry['unit']} per second")
@@ -897,7 +933,8 @@ def _loop_variants(loss: Callable[..., Any], k: int, full_unroll_max: int) -> di
         "proposed unroll=4": (vg(unroll=4), proposed),
         "convs only (swapaxes split)": (vg(), functools.partial(variant, convs=True)),
         "convs only, contiguous split": (
-            vg(), functools.partial(variant, convs=True, contiguous=True)
+            vg(),
+            functools.partial(variant, convs=True, contiguous=True),
         ),
     }
     if k < 4:
@@ -911,7 +948,11 @@ def _loop_variants(loss: Callable[..., Any], k: int, full_unroll_max: int) -> di
 
 
 def _study(
-    loss: Callable[..., Any], params: Any, batch: Any, k: int, variants: dict[str, Any],
+    loss: Callable[..., Any],
+    params: Any,
+    batch: Any,
+    k: int,
+    variants: dict[str, Any],
     rounds: int,
 ) -> dict[str, Any]:
     """Compiles every variant (timed, temp bytes, HLO summary), checks it against the full
@@ -940,15 +981,20 @@ def _study(
             jax.block_until_ready(run(params, data))
             if r:
                 times[name].append(time.perf_counter() - start)
-    row = {name: {"ms": statistics.median(times[name]) * 1e3, **info}
-           for name, (_, _, info) in built.items()}
+    row = {
+        name: {"ms": statistics.median(times[name]) * 1e3, **info}
+        for name, (_, _, info) in built.items()
+    }
     for name in row:
         row[name]["ratio_to_full"] = row[name]["ms"] / row["full batch"]["ms"]
         row[name]["ratio_to_loop"] = row[name]["ms"] / row["Python loop"]["ms"]
     for name, v in row.items():
-        print(f"k={k:3d} {name:30s} {v['ms']:9.2f} ms ({v['ratio_to_full']:5.2f}x full, "
-              f"{v['ratio_to_loop']:5.2f}x loop)  temp {v['temp_bytes'] / 2**20:7.2f} MiB  "
-              f"compile {v['compile_s']:5.2f} s  diff {v['max_abs_diff']:.1e}", flush=True)
+        print(
+            f"k={k:3d} {name:30s} {v['ms']:9.2f} ms ({v['ratio_to_full']:5.2f}x full, "
+            f"{v['ratio_to_loop']:5.2f}x loop)  temp {v['temp_bytes'] / 2**20:7.2f} MiB  "
+            f"compile {v['compile_s']:5.2f} s  diff {v['max_abs_diff']:.1e}",
+            flush=True,
+        )
     return row
 
 
@@ -977,9 +1023,12 @@ def compile_study(repeats: int = 3) -> dict[str, Any]:
                 rows.setdefault(name, {})[k] = {"min_s": min(seconds), "all_s": seconds}
             ratio = rows[name][64]["min_s"] / rows[name][2]["min_s"]
             rows[name]["ratio_64_to_2"] = ratio
-            print(f"compile {model} {name:18s} " + "  ".join(
-                f"k={k}: {rows[name][k]['min_s']:.2f}s" for k in (2, 8, 64)
-            ) + f"  k=64/k=2: {ratio:.2f}", flush=True)
+            print(
+                f"compile {model} {name:18s} "
+                + "  ".join(f"k={k}: {rows[name][k]['min_s']:.2f}s" for k in (2, 8, 64))
+                + f"  k=64/k=2: {ratio:.2f}",
+                flush=True,
+            )
         out[model] = rows
     return out
 
@@ -989,24 +1038,42 @@ def loop_study(args: argparse.Namespace) -> None:
     cnn_rounds = args.rounds or (2 if args.quick else 4)
     results: dict[str, Any] = {"machine": machine(), "cnn": {}, "mlp": {}, "nnx": {}}
     params, batch = cnn_params(jax.random.key(0)), cnn_data(256)
-    results["cnn"] = {"model": "CNN (2 conv + BatchNorm eval), 28x28x1, batch 256",
-                      "rounds": cnn_rounds, "by_k": {}}
+    results["cnn"] = {
+        "model": "CNN (2 conv + BatchNorm eval), 28x28x1, batch 256",
+        "rounds": cnn_rounds,
+        "by_k": {},
+    }
     for k in ks:
         variants = _loop_variants(cnn_loss, k, full_unroll_max=64)
         results["cnn"]["by_k"][k] = _study(cnn_loss, params, batch, k, variants, cnn_rounds)
     nnx_loss, nnx_params = nnx_cnn()
     vg = jax.jit(jaxaccum.value_and_grad(nnx_loss, num_microbatches=8))
-    results["nnx"] = {"model": "the same CNN in flax NNX (nnx.Conv, nnx.BatchNorm eval)", "k": 8,
-                      "row": _study(nnx_loss, nnx_params, batch, 8, {
-        "full batch": (jax.jit(jax.value_and_grad(nnx_loss)), contextlib.nullcontext),
-        "jaxaccum": (vg, contextlib.nullcontext),
-        "Python loop": (_LoopVG(nnx_loss, 8), contextlib.nullcontext),
-        "proposed": (jax.jit(jaxaccum.value_and_grad(nnx_loss, num_microbatches=8)),
-                     functools.partial(variant, convs=True, indexing=True)),
-    }, cnn_rounds)}
+    results["nnx"] = {
+        "model": "the same CNN in flax NNX (nnx.Conv, nnx.BatchNorm eval)",
+        "k": 8,
+        "row": _study(
+            nnx_loss,
+            nnx_params,
+            batch,
+            8,
+            {
+                "full batch": (jax.jit(jax.value_and_grad(nnx_loss)), contextlib.nullcontext),
+                "jaxaccum": (vg, contextlib.nullcontext),
+                "Python loop": (_LoopVG(nnx_loss, 8), contextlib.nullcontext),
+                "proposed": (
+                    jax.jit(jaxaccum.value_and_grad(nnx_loss, num_microbatches=8)),
+                    functools.partial(variant, convs=True, indexing=True),
+                ),
+            },
+            cnn_rounds,
+        ),
+    }
     mlp_rounds = 10 if args.quick else 40
-    results["mlp"] = {"model": f"gist MLP 784-100-10, batch {GIST.batch}", "rounds": mlp_rounds,
-                      "by_k": {}}
+    results["mlp"] = {
+        "model": f"gist MLP 784-100-10, batch {GIST.batch}",
+        "rounds": mlp_rounds,
+        "by_k": {},
+    }
     for k in ks:
         variants = _loop_variants(mlp_loss, k, full_unroll_max=64)
         for name in ("convs only (swapaxes split)", "convs only, contiguous split"):
@@ -1017,6 +1084,10 @@ def loop_study(args: argparse.Namespace) -> None:
     results["compile"] = compile_study(repeats=2 if args.quick else 3)
     path = save("models_loops", results)
     print(f"wrote {path}")
+
+
+def _ms(ms: float) -> str:
+    return f"{ms:.2f}" if ms < 10 else f"{ms:.1f}"
 
 
 def _table(header: list[str], rows: list[list[str]]) -> str:
@@ -1035,38 +1106,69 @@ def report(args: argparse.Namespace) -> None:
             names = list(by_k[min(by_k)])
             mib, P = 2**20, entry["param_bytes"]
             A = entry["full_temp_bytes"]
-            print(f"\n**{entry['name']}**: ms per step (x full batch, x Python loop); "
-                  f"{entry['unit']}/s of the proposed step\n")
+            print(
+                f"\n**{entry['name']}**: ms per step (x full batch, x Python loop); "
+                f"{entry['unit']}/s of the proposed step\n"
+            )
             rows = []
             for k, row in sorted(by_k.items()):
-                cells = [f"{v['ms']:.1f} ({v['ratio_to_full']:.2f}x, {v['ratio_to_loop']:.2f}x)"
-                         for v in row.values()]
+                cells = [
+                    f"{_ms(v['ms'])} ({v['ratio_to_full']:.2f}x, {v['ratio_to_loop']:.2f}x)"
+                    for v in row.values()
+                ]
                 rows.append([str(k), *cells])
             print(_table(["k", *names], rows))
-            print(f"\ntemp MiB (params donated), P = {P / mib:.2f} MiB, A = {A / mib:.2f} MiB; "
-                  "compile s\n")
+            A0 = entry.get("full_temp_bytes_undonated") or A
+            print(
+                f"\ntemp MiB with params donated (without), P = {P / mib:.2f} MiB, A = "
+                f"{A / mib:.2f} ({A0 / mib:.2f}) MiB: the full batch's temp; compile s\n"
+            )
             rows = []
             for k, row in sorted(by_k.items()):
-                target = (1.1 * P + 1.2 * A / k) / mib
-                cells = [f"{v['temp_bytes'] / mib:.2f} / {v['compile_s']:.1f}s"
-                         for v in row.values()]
-                rows.append([str(k), f"{target:.2f}", *cells])
+                t, t0 = (1.1 * P + 1.2 * A / k) / mib, (1.1 * P + 1.2 * A0 / k) / mib
+                target = f"{t:.2f} ({t0:.2f})"
+                cells = []
+                for v in row.values():
+                    undonated = v.get("temp_bytes_undonated")
+                    extra = "" if undonated is None else f" ({undonated / mib:.2f})"
+                    cells.append(f"{v['temp_bytes'] / mib:.2f}{extra} / {v['compile_s']:.1f}s")
+                rows.append([str(k), target, *cells])
             print(_table(["k", "1.1P+1.2A/k", *names], rows))
     path = result_path("models_loops", "json")
     if path.exists():
         loops = json.loads(path.read_text())
         for model in ("cnn", "mlp"):
             by_k = {int(k): row for k, row in loops[model]["by_k"].items()}
-            names = sorted({n for row in by_k.values() for n in row}, key=list(by_k[8]).index
-                           if 8 in by_k else None)
+            names = list(dict.fromkeys(n for _, row in sorted(by_k.items()) for n in row))
             print(f"\n**loop study, {loops[model]['model']}**: ms (x full batch) / temp MiB\n")
             rows = []
             for k, row in sorted(by_k.items()):
-                rows.append([str(k)] + [
-                    f"{row[n]['ms']:.1f} ({row[n]['ratio_to_full']:.2f}x) / "
-                    f"{row[n]['temp_bytes'] / 2**20:.2f}" if n in row else "" for n in names
-                ])
+                rows.append(
+                    [str(k)]
+                    + [
+                        f"{_ms(row[n]['ms'])} ({row[n]['ratio_to_full']:.2f}x) / "
+                        f"{row[n]['temp_bytes'] / 2**20:.2f}"
+                        if n in row
+                        else ""
+                        for n in names
+                    ]
+                )
             print(_table(["k", *names], rows))
+        for model, rows_by_name in loops.get("compile", {}).items():
+            print(f"\n**compile seconds ({model}, value_and_grad), min over repeats**\n")
+            print(
+                _table(
+                    ["way", "k=2", "k=8", "k=64", "k=64 / k=2"],
+                    [
+                        [
+                            name,
+                            *(f"{row[str(k)]['min_s']:.2f}" for k in (2, 8, 64)),
+                            f"{row['ratio_64_to_2']:.2f}",
+                        ]
+                        for name, row in rows_by_name.items()
+                    ],
+                )
+            )
 
 
 def main() -> None:
@@ -1074,8 +1176,9 @@ def main() -> None:
     parser.add_argument(
         "what", nargs="?", default="families", choices=("families", "loops", "report")
     )
-    parser.add_argument("--families", nargs="+", default=["mlp", "cnn", "transformer",
-                                                          "transformer_bf16"])
+    parser.add_argument(
+        "--families", nargs="+", default=["mlp", "cnn", "transformer", "transformer_bf16"]
+    )
     parser.add_argument("--ks", nargs="+", type=int, default=list(KS))
     parser.add_argument("--rounds", type=int, default=None)
     parser.add_argument("--quick", action="store_true")
@@ -1084,6 +1187,8 @@ def main() -> None:
     args = parser.parse_args()
     if not args.out.startswith("models"):
         parser.error("--out must start with 'models'")
+    if args.quick and args.out == "models" and args.what == "families":
+        args.out = "models_quick"  # never overwrite the full run's results
     if args.what == "loops":
         loop_study(args)
     elif args.what == "report":
