@@ -52,7 +52,7 @@ from _common import loss as mlp_loss
 from jax.extend import core as jex
 
 import jaxaccum
-from jaxaccum import _accumulate
+from jaxaccum import _accumulate, _hlo
 
 KS = (1, 2, 4, 8, 16, 32, 64)
 
@@ -856,7 +856,6 @@ class _LoopVG:
         return run, s1 + s2 + s3, max(t1, t2)
 
 
-_HEADER = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*\(.*\{\s*$")
 
 
 def hlo_summary(hlo: str) -> dict[str, Any]:
@@ -865,16 +864,7 @@ def hlo_summary(hlo: str) -> dict[str, Any]:
     = an XLA loop fusion, ``thunk`` = its own thunk, Eigen when canonical, naive loops
     otherwise) x (convolutions: canonical NHWC/HWIO dimension labels or not); plus the
     transposes/copies in loop bodies and in the entry."""
-    comps: dict[str, list[str]] = {}
-    current = None
-    for line in hlo.splitlines():
-        match = _HEADER.match(line.strip())
-        if match and current is None:
-            current = comps.setdefault(match.group(1), [])
-        elif line.strip() == "}":
-            current = None
-        elif current is not None:
-            current.append(line)
+    comps = _hlo.computations(hlo)
     parent: dict[str, tuple[str, str]] = {}
     for name, lines in comps.items():
         for line in lines:

@@ -10,7 +10,8 @@ _REF = re.compile(r"(?:body|condition|to_apply|calls|branch_computations)=\{?%?(
 _OPS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 
 
-def _computations(hlo: str) -> dict[str, list[str]]:
+def computations(hlo: str) -> dict[str, list[str]]:
+    """An HLO module's text split into its computations: name -> body lines."""
     comps: dict[str, list[str]] = {}
     current: list[str] | None = None
     for line in hlo.splitlines():
@@ -92,7 +93,7 @@ def collectives(hlo: str) -> list[tuple[str, bool, int, int]]:
     Returns ``(op, inside a loop body, result bytes, replica group size)`` per op;
     ``-start``/``-done`` pairs count once (at the start).
     """
-    comps = _computations(hlo)
+    comps = computations(hlo)
     in_loop = _loop_computations(comps)
     found = []
     for name, lines in comps.items():

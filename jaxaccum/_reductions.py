@@ -96,6 +96,16 @@ def add_weight(total: jax.Array, weight: jax.Array) -> jax.Array:
     return (total + valid_weight(weight).astype(total.dtype)).astype(total.dtype)
 
 
+def unless_empty(total: jax.Array, old: Any, new: Any) -> Any:
+    """``new``, or ``old`` where the total weight is 0 (nothing to learn from: no step at all).
+
+    A NaN total (an invalid weight) takes ``new``, so the NaN propagates: never a silent skip.
+    The one rule for ``train_step`` and the Flax steps (``multi_steps`` makes it in its cond).
+    """
+    stepped = total != 0
+    return jax.tree.map(lambda o, n: jnp.where(stepped, n, o), old, new)
+
+
 def skip_if_nonfinite(weight: jax.Array, finite: jax.Array) -> tuple[jax.Array, jax.Array]:
     """For ``skip_nonfinite``: the weight to use and whether the micro-batch is skipped.
 

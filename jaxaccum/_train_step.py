@@ -13,7 +13,7 @@ import optax
 from jax.sharding import NamedSharding
 from jax.typing import DTypeLike
 
-from jaxaccum import _accumulate, _sharding, _validation
+from jaxaccum import _accumulate, _reductions, _sharding, _validation
 
 
 def _sharding_of(x: Any) -> Any:
@@ -32,12 +32,9 @@ def apply_step(
     """One optimizer update; with zero total weight, params and state come back unchanged."""
     updates, new_state = optimizer.update(out.grads, opt_state, params)
     new_params = optax.apply_updates(params, updates)
-    if may_be_empty:  # nothing to learn from (all weights 0, or all skipped): no step at all
-        stepped = out.weight != 0  # NaN (an invalid weight) steps, and poisons: never silent
-        new_params, new_state = jax.tree.map(
-            lambda old, new: jnp.where(stepped, new, old),
-            (params, opt_state),
-            (new_params, new_state),
+    if may_be_empty:  # all weights 0, or all skipped
+        new_params, new_state = _reductions.unless_empty(
+            out.weight, (params, opt_state), (new_params, new_state)
         )
     return new_params, new_state
 

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import optax
 from jax.typing import ArrayLike, DTypeLike
 
-from jaxaccum import _accumulate, _sharding, _validation
+from jaxaccum import _accumulate, _reductions, _sharding, _validation
 from jaxaccum._multi_steps import MultiStepsState
 
 OVERWRITE_WITH_GRADIENT = "overwrite_with_gradient"  # flax's special params collection
@@ -183,8 +183,7 @@ def train_step(
         if carried:
             new = new.replace(batch_stats=out.carry[0])
         if cfg.divides_safely:  # nothing to learn from: the state as it was
-            stepped = out.weight != 0  # NaN (an invalid weight) poisons the step: never silent
-            new = jax.tree.map(lambda o, n: jnp.where(stepped, n, o), state, new)
+            new = _reductions.unless_empty(out.weight, state, new)
         return new, _accumulate.shape_value(cfg, out, with_carry=False)
 
     jitted = jax.jit(step, donate_argnums=(0,) if donate else ())

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.typing import DTypeLike
 
-from jaxaccum import _accumulate, _sharding, _validation
+from jaxaccum import _accumulate, _reductions, _sharding, _validation
 
 
 def _in_model(path: tuple[Any, ...], _: Any) -> bool:
@@ -317,9 +317,7 @@ def train_step(
         write_back()
         optimizer.update(model, out.grads)
         if before is not None:  # nothing to learn from: no step, no state change at all
-            stepped = out.weight != 0  # NaN (an invalid weight) poisons the step: never silent
-            nnx.update(both, jax.tree.map(
-                lambda old, new: jnp.where(stepped, new, old), before, nnx.state(both)))
+            nnx.update(both, _reductions.unless_empty(out.weight, before, nnx.state(both)))
         return _accumulate.shape_value(cfg, out, with_carry=False)
 
     acc_divides_safely = weighted or skip_nonfinite
