@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 from jax.typing import DTypeLike
 
-from jaxaccum import _reductions, _validation
+from jaxaccum import _conv_layout, _reductions, _validation
 
 RematPolicy = Callable[..., bool]
 
@@ -194,19 +194,32 @@ def split_output(out: Any, *, has_aux: bool, weighted: bool) -> tuple[Any, Any, 
 # --- split ------------------------------------------------------------------------------------
 
 
+def strided_views(cfg: Config, args: tuple[Any, ...], k: int) -> tuple[Any, ...]:
+    """Each batch leaf viewed as ``(B/k, k, ...)`` (a bitcast, no copy): micro-batch i is
+    ``view[:, i]``, examples i, i + k, i + 2k, ..."""
+
+    def view(x: jax.Array) -> jax.Array:
+        x = jnp.asarray(x)
+        return x.reshape((x.shape[0] // k, k) + x.shape[1:])
+
+    return tuple(jax.tree.map(view, args[i]) for i in cfg.split_argnums)
+
+
+def take_microbatch(views: tuple[Any, ...], i: jax.Array) -> tuple[Any, ...]:
+    """Micro-batch ``i`` of :func:`strided_views`: a gather of its B/k strided examples."""
+    return jax.tree.map(lambda v: jax.lax.dynamic_index_in_dim(v, i, axis=1, keepdims=False), views)
+
+
 def split_microbatches(cfg: Config, args: tuple[Any, ...], k: int) -> tuple[Any, ...]:
     """The batch arguments with a new leading micro-batch axis of length ``k`` (strided).
 
     Micro-batch i holds examples i, i + k, i + 2k, ...: a batch whose leading axis is sharded
     over devices in contiguous blocks (any block size divisible by k) is split where it lies,
-    each device's share of micro-batch i being examples of its own block.
+    each device's share of micro-batch i being examples of its own block. This materialises a
+    transposed copy of the batch; :func:`scan_microbatches` instead takes each micro-batch
+    from :func:`strided_views` inside the loop.
     """
-
-    def strided(x: jax.Array) -> jax.Array:
-        x = jnp.asarray(x)
-        return jnp.swapaxes(x.reshape((x.shape[0] // k, k) + x.shape[1:]), 0, 1)
-
-    return tuple(jax.tree.map(strided, args[i]) for i in cfg.split_argnums)
+    return jax.tree.map(lambda v: jnp.swapaxes(v, 0, 1), strided_views(cfg, args, k))
 
 
 def replace_differentiated(cfg: Config, args: tuple[Any, ...], new: Any) -> tuple[Any, ...]:
@@ -284,7 +297,11 @@ def micro_step(cfg: Config, args: tuple[Any, ...], sums: Sums) -> tuple[Sums, An
         loss, weight, aux = split_output(out, has_aux=cfg.has_aux, weighted=cfg.weighted)
         return loss, (weight, aux, new_carry)
 
-    grad_fun = jax.value_and_grad(with_weight, argnums=cfg.argnums, has_aux=True)
+    # XLA:CPU canonicalises convolution layouts only in the entry computation: in this loop
+    # body autodiff's gradient convolutions would run as naive loops (see _conv_layout).
+    grad_fun = _conv_layout.canonical_convs(
+        jax.value_and_grad(with_weight, argnums=cfg.argnums, has_aux=True)
+    )
     args = cfg.with_carry(args, sums.carry)
     if cfg.pin_in_loop:
         pinned, sums = jax.lax.optimization_barrier((cfg.differentiated(args), sums))
@@ -349,22 +366,32 @@ def scan_microbatches(
     """Runs :func:`micro_step` over ``k`` strided micro-batches in one ``lax.scan``.
 
     ``sums`` (the starting accumulator) and ``batches`` (already split) may be given by a
-    caller that places them on a mesh. With ``k == 1`` no scan is emitted: the cost is that of
-    a plain ``jax.value_and_grad``.
+    caller that places them on a mesh. Otherwise the loop runs over ``arange(k)`` and each
+    iteration gathers its micro-batch from :func:`strided_views` (a dynamic index on axis 1),
+    so no transposed copy of the whole batch is made. With ``k == 1`` no scan is emitted: the
+    cost is that of a plain ``jax.value_and_grad``.
     """
-    if batches is None:
-        batches = split_microbatches(cfg, args, k)
-    loss, aux = check_output(cfg, args, batches)
+    views = None
+    if batches is None and k > 1:
+        views = strided_views(cfg, args, k)
+        xs: Any = jnp.arange(k)
+        abstract = split_microbatches(cfg, args, k)  # for check_output only: dead in the program
+    else:
+        if batches is None:
+            batches = split_microbatches(cfg, args, k)
+        xs = abstract = batches
+    loss, aux = check_output(cfg, args, abstract)
     start = zero_sums(cfg, args, loss, aux) if sums is None else sums
 
-    def body(sums: Sums, batch: tuple[Any, ...]) -> tuple[Sums, Any]:
+    def body(sums: Sums, x: Any) -> tuple[Sums, Any]:
+        batch = x if views is None else take_microbatch(views, x)
         return micro_step(cfg, with_microbatch(cfg, args, batch), sums)
 
     if k == 1:
-        out, ys = body(start, jax.tree.map(lambda x: x[0], batches))
+        out, ys = body(start, jax.tree.map(lambda x: x[0], xs))
         ys = jax.tree.map(lambda x: jnp.expand_dims(jnp.asarray(x), 0), ys)
     else:
-        out, ys = jax.lax.scan(body, start, batches, unroll=cfg.unroll)
+        out, ys = jax.lax.scan(body, start, xs, unroll=cfg.unroll)
     return Scanned(out, ys, loss, aux)
 
 

@@ -146,3 +146,22 @@ def collective_counts(hlo: str) -> dict[str, int]:
         if in_loop:
             counts[f"{op} in loops"] += 1
     return dict(counts)
+
+
+_DIM_LABELS = re.compile(r"\sconvolution\(.*dim_labels=([\w>\-]+)")
+
+
+def convolutions(hlo: str) -> list[tuple[str, bool]]:
+    """Every convolution in an HLO module's text: ``(dim_labels, inside a loop body)``.
+
+    XLA:CPU runs a convolution in a fast library only with the labels ``b01f_01io->b01f``
+    (NHWC x HWIO, any number of spatial dimensions); see :mod:`jaxaccum._conv_layout`.
+    """
+    comps = computations(hlo)
+    in_loop = _loop_computations(comps)
+    return [
+        (match.group(1), name in in_loop)
+        for name, lines in comps.items()
+        for line in lines
+        if (match := _DIM_LABELS.search(line))
+    ]
