@@ -13,6 +13,7 @@ invalid weight the same way:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -94,6 +95,16 @@ def weighted_add(acc: jax.Array, g: ArrayLike, weight: jax.Array) -> jax.Array:
 def add_weight(total: jax.Array, weight: jax.Array) -> jax.Array:
     """``total + weight``, NaN for an invalid (negative) weight, in ``total``'s dtype."""
     return (total + valid_weight(weight).astype(total.dtype)).astype(total.dtype)
+
+
+def step_unless_empty(total: jax.Array, step: Callable[[Any], Any], old: Any) -> Any:
+    """``step(old)``, or ``old`` itself where the total weight is 0 (no step at all).
+
+    The rule of :func:`unless_empty` as a ``lax.cond``: with donated inputs, a select between
+    the old and the new state would keep both alive (one more parameter- and optimizer-state-
+    sized buffer); a conditional computes only the branch taken. A NaN total steps.
+    """
+    return jax.lax.cond(total != 0, step, lambda o: o, old)
 
 
 def unless_empty(total: jax.Array, old: Any, new: Any) -> Any:

@@ -30,13 +30,15 @@ def apply_step(
     may_be_empty: bool,
 ) -> tuple[optax.Params, optax.OptState]:
     """One optimizer update; with zero total weight, params and state come back unchanged."""
-    updates, new_state = optimizer.update(out.grads, opt_state, params)
-    new_params = optax.apply_updates(params, updates)
+
+    def update(state: tuple[optax.Params, optax.OptState]) -> tuple[optax.Params, optax.OptState]:
+        params, opt_state = state
+        updates, new_state = optimizer.update(out.grads, opt_state, params)
+        return optax.apply_updates(params, updates), new_state
+
     if may_be_empty:  # all weights 0, or all skipped
-        new_params, new_state = _reductions.unless_empty(
-            out.weight, (params, opt_state), (new_params, new_state)
-        )
-    return new_params, new_state
+        return _reductions.step_unless_empty(out.weight, update, (params, opt_state))  # type: ignore[no-any-return]
+    return update((params, opt_state))
 
 
 class TrainStep:
@@ -96,9 +98,7 @@ class TrainStep:
         hints = None
         if self._sharding is not None and not self._sharding.explicit:
             hints = tuple(jax.tree.map(_sharding_of, a) for a in args)
-        key = None if hints is None else jax.tree.flatten(
-            hints, is_leaf=lambda s: s is None
-        )
+        key = None if hints is None else jax.tree.flatten(hints, is_leaf=lambda s: s is None)
         cache_key = None if key is None else (tuple(key[0]), key[1])
         if cache_key not in self._compiled:
             self._compiled[cache_key] = self._step_fn(hints)
