@@ -8,21 +8,26 @@ Families (each: a loss, its parameters, a batch):
 - ``transformer``: a decoder-only LM in plain JAX (4 layers, d=128, 4 heads, sequence 128,
   vocabulary 256, pre-LayerNorm, GELU MLP), sequences of random lengths padded to 128, loss the
   mean cross-entropy over valid tokens with ``weighted=True`` (weight: the number of valid
-  tokens); batch 64; Adam. Also with bfloat16 parameters (float32 accumulation).
+  tokens); batch 32 (``--lm-batch``); Adam. Also with bfloat16 parameters (float32 accumulation).
 
 Ways, all making the same optimizer step on the same batch: ``full batch`` (one jitted gradient
-and update), ``jaxaccum.train_step``, ``jaxaccum.train_step (proposed)`` (the change
-recommended in docs/perf_investigation.md, applied here by wrapping
-``jaxaccum._accumulate.micro_step`` while the step is traced), ``Python loop`` (k jitted
-micro-batch gradient calls summed on device, one jitted update), ``optax.MultiSteps`` (one
-jitted call per micro-batch), ``optax.microbatching`` (``microbatch`` around the gradient in
-one jitted step). Ways run interleaved round by round; medians; ratios within the same rounds.
-Every program is compiled ahead of time once: its compile time (lower + compile) and
-``memory_analysis()`` temp bytes are recorded (per-call ways: their per-micro-batch program).
+and update), ``jaxaccum.train_step`` (the library as it is: since a4b2f71 its loop body runs
+convolutions in XLA:CPU's canonical layout and gathers each micro-batch inside the loop),
+``Python loop`` (k jitted micro-batch gradient calls summed on device, one jitted update),
+``optax.MultiSteps`` (one jitted call per micro-batch), ``optax.microbatching``
+(``microbatch`` around the gradient in one jitted step). Ways run interleaved round by round;
+medians; ratios within the same rounds. Every program is compiled ahead of time once: its
+compile time (lower + compile) and ``memory_analysis()`` temp bytes are recorded (per-call
+ways: their per-micro-batch program).
 
 ``loops`` is the CNN loop study (docs/perf_investigation.md): jitted ``value_and_grad`` of the
-full batch, of jaxaccum with ``unroll`` 1, 2, 4 and k, a hand-written ``lax.scan``, a Python
-loop, and the proposed change with strided and contiguous micro-batches.
+full batch, of jaxaccum with ``unroll`` 1, 2 and 4, a hand-written ``lax.scan``, a Python loop,
+the library with its micro-batches split before the loop (strided ``swapaxes`` or contiguous),
+and, as evidence, ``before (a4b2f71^)``: the library with the convolution rewrite undone and
+the old swapaxes split, monkeypatched while tracing (``variant``/``before``), also with
+``unroll`` 2, 4 and k. The committed ``results/models_loops.json`` was measured before a4b2f71,
+when the library was what is now ``before`` (named ``jaxaccum`` there) and the change was a
+prototype in this file (named ``proposed`` there).
 
     python benchmarks/models.py                 # families, ~8 min on 2 cores: results/models.*
     python benchmarks/models.py --quick         # ~2.5 min: fewer k and rounds: models_quick.*
@@ -45,213 +50,70 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from _common import GIST, machine, result_path, save
 from _common import loss as mlp_loss
-from jax.extend import core as jex
 
 import jaxaccum
-from jaxaccum import _accumulate, _hlo
+from jaxaccum import _accumulate, _conv_layout, _hlo
 
 KS = (1, 2, 4, 8, 16, 32, 64)
 
-# --- the proposed change (prototype of jaxaccum/_conv_layout.py) ---------------------------------
+# --- the library before a4b2f71, as evidence for the loop study -------------------------------
 #
-# XLA:CPU's ConvCanonicalization pass rewrites convolutions whose dimension numbers are not
-# NHWC x HWIO -> NHWC into transposes around a canonical convolution, so they run in Eigen or
-# YNNPACK; but it visits only the entry computation. Inside a while loop's body (lax.scan) the
-# gradient convolutions that autodiff emits (input gradient: kernel "01oi"; kernel gradient:
-# "f01b_i01o->01bf") stay as they are and are emitted as naive loops. The rewrite below does
-# what that pass does, on the micro-step's jaxpr, exactly (transposes only), and only on CPU.
+# a4b2f71 applied the change this study recommended: jaxaccum/_conv_layout.py rewrites the
+# micro-step's convolutions into XLA:CPU's canonical NHWC x HWIO -> NHWC form (XLA's own
+# ConvCanonicalization pass visits only the entry computation, so inside a while loop autodiff's
+# gradient convolutions ran as naive loops), and scan_microbatches gathers micro-batch i inside
+# the loop from a free (B/k, k, ...) view instead of a transposed copy of the whole batch. The
+# variants below undo either half while tracing, so "before (a4b2f71^)" is the library as it was.
 
-_CONV = jex.primitives.conv_general_dilated_p
-_INLINE = ("jit", "pjit", "closed_call", "core_call")
-
-
-def _canonical_specs(n: int) -> tuple[tuple[int, ...], ...]:
-    spatial = tuple(range(1, n - 1))
-    return (0, n - 1, *spatial), (n - 1, n - 2, *range(n - 2)), (0, n - 1, *spatial)
-
-
-def _noncanonical(eqn: Any) -> bool:
-    if eqn.primitive is not _CONV:
-        return False
-    dn = eqn.params["dimension_numbers"]
-    specs = (tuple(dn.lhs_spec), tuple(dn.rhs_spec), tuple(dn.out_spec))
-    return specs != _canonical_specs(len(dn.lhs_spec))
-
-
-def has_noncanonical_conv(jaxpr: Any) -> bool:
-    """Whether a (closed) jaxpr holds, at any depth, a convolution not in NHWC/HWIO form."""
-    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
-    return any(
-        _noncanonical(eqn) or any(map(has_noncanonical_conv, jex.jaxprs_in_params(eqn.params)))
-        for eqn in jaxpr.eqns
-    )
-
-
-def _canonical_conv(lhs: Any, rhs: Any, *, dimension_numbers: Any, **params: Any) -> Any:
-    """The same convolution as transpose -> NHWC x HWIO -> NHWC convolution -> transpose."""
-    n = lhs.ndim
-    lb, lf, *ls = dimension_numbers.lhs_spec
-    ro, ri, *rs = dimension_numbers.rhs_spec
-    ob, of, *os_ = dimension_numbers.out_spec
-    out = _CONV.bind(
-        jnp.transpose(lhs, (lb, *ls, lf)),
-        jnp.transpose(rhs, (*rs, ri, ro)),
-        dimension_numbers=jax.lax.ConvDimensionNumbers(*_canonical_specs(n)),
-        **params,
-    )
-    perm = [0] * n
-    perm[ob], perm[of] = 0, n - 1
-    for i, axis in enumerate(os_):
-        perm[axis] = i + 1
-    return jnp.transpose(out, perm)
-
-
-def _rewrite(sub: Any) -> Any:
-    """A jaxpr-valued parameter (scan/while/cond bodies, remat...) with its convs rewritten."""
-    if not isinstance(sub, (jex.ClosedJaxpr, jex.Jaxpr)) or not has_noncanonical_conv(sub):
-        return sub
-    closed = sub if isinstance(sub, jex.ClosedJaxpr) else jex.ClosedJaxpr(sub, ())
-    avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in closed.in_avals]
-    new = jax.make_jaxpr(functools.partial(_eval, closed.jaxpr, closed.consts))(*avals)
-    if isinstance(sub, jex.ClosedJaxpr):
-        return new
-    return sub if new.consts else new.jaxpr  # an open jaxpr takes no consts: leave it as it was
-
-
-def _bind(eqn: Any, invals: list[Any], params: dict[str, Any]) -> list[Any]:
-    bind_params = eqn.primitive.get_bind_params(params)
-    subfuns: tuple[Any, ...] = ()
-    if isinstance(bind_params, tuple):  # older jax returns (subfuns, params)
-        subfuns, bind_params = bind_params
-    manager = getattr(getattr(eqn, "ctx", None), "manager", None)
-    with manager if manager is not None else contextlib.nullcontext():
-        out = eqn.primitive.bind(*subfuns, *invals, **bind_params)
-    return list(out) if eqn.primitive.multiple_results else [out]
-
-
-def _eval(jaxpr: Any, consts: Any, *args: Any) -> list[Any]:
-    env: dict[Any, Any] = dict(zip(jaxpr.constvars, consts, strict=True))
-    env.update(zip(jaxpr.invars, args, strict=True))
-
-    def read(v: Any) -> Any:
-        return v.val if isinstance(v, jex.Literal) else env[v]
-
-    for eqn in jaxpr.eqns:
-        invals = [read(v) for v in eqn.invars]
-        if _noncanonical(eqn):
-            outs = [_canonical_conv(*invals, **eqn.params)]
-        elif not any(map(has_noncanonical_conv, jex.jaxprs_in_params(eqn.params))):
-            outs = _bind(eqn, invals, eqn.params)
-        elif eqn.primitive.name in _INLINE and isinstance(eqn.params.get("jaxpr"), jex.ClosedJaxpr):
-            sub = eqn.params["jaxpr"]  # a nested jit: inlined (XLA inlines it anyway)
-            outs = _eval(sub.jaxpr, sub.consts, *invals)
-        else:  # scan, while, cond, remat, custom rules: the same primitive, bodies rewritten
-            params = {
-                key: type(v)(map(_rewrite, v)) if isinstance(v, (tuple, list)) else _rewrite(v)
-                for key, v in eqn.params.items()
-            }
-            outs = _bind(eqn, invals, params)
-        env.update(zip(eqn.outvars, outs, strict=True))
-    return [read(v) for v in jaxpr.outvars]
-
-
-def canonical_convs(fun: Callable[..., Any]) -> Callable[..., Any]:
-    """``fun`` with its convolutions in NHWC x HWIO -> NHWC form when lowered for CPU.
-
-    Functions without another convolution form are called unchanged; array leaves of the
-    arguments are traced, every other leaf is closed over.
-    """
-
-    @functools.wraps(fun)
-    def wrapped(*args: Any) -> Any:
-        leaves, tree = jax.tree.flatten(args)
-        dynamic = [i for i, x in enumerate(leaves) if isinstance(x, (jax.Array, np.ndarray))]
-
-        def call(*xs: Any) -> Any:
-            full = list(leaves)
-            for i, x in zip(dynamic, xs, strict=True):
-                full[i] = x
-            return fun(*jax.tree.unflatten(tree, full))
-
-        xs = [leaves[i] for i in dynamic]
-        closed, shape = jax.make_jaxpr(call, return_shape=True)(*xs)
-        if not has_noncanonical_conv(closed):
-            return fun(*args)
-        out_tree = jax.tree.structure(shape)
-
-        def rewritten(*xs: Any) -> Any:
-            return jax.tree.unflatten(out_tree, _eval(closed.jaxpr, closed.consts, *xs))
-
-        return jax.lax.platform_dependent(*xs, cpu=rewritten, default=call)
-
-    return wrapped
-
-
+BEFORE = "before (a4b2f71^)"
 _ORIGINAL = {
-    "micro_step": _accumulate.micro_step,
-    "split_microbatches": _accumulate.split_microbatches,
+    "canonical_convs": _conv_layout.canonical_convs,
     "scan_microbatches": _accumulate.scan_microbatches,
 }
 
 
-def _proposed_micro_step(cfg: Any, args: Any, sums: Any, *rest: Any) -> Any:
-    step = _ORIGINAL["micro_step"]
-    return canonical_convs(lambda a, s: step(cfg, a, s, *rest))(args, sums)
+def _split_before(split: str) -> Callable[..., Any]:
+    """``scan_microbatches`` fed pre-split micro-batches: ``swapaxes`` is a4b2f71^'s strided
+    split (a transposed copy of the batch before the loop), ``contiguous`` cuts blocks."""
 
-
-def _contiguous_split(cfg: Any, args: Any, k: int) -> tuple[Any, ...]:
-    def contiguous(x: Any) -> Any:
-        x = jnp.asarray(x)
-        return x.reshape((k, x.shape[0] // k) + x.shape[1:])
-
-    return tuple(jax.tree.map(contiguous, args[i]) for i in cfg.split_argnums)
-
-
-def _indexing_scan(cfg: Any, args: Any, k: int, sums: Any = None, batches: Any = None) -> Any:
-    """``scan_microbatches`` without the transposed copy of the batch: each batch leaf is
-    viewed as (B/k, k, ...) (a bitcast) and the body takes micro-batch i with a dynamic index
-    on axis 1 (a strided gather of one micro-batch), scanning over ``arange(k)``."""
-    if batches is not None or k == 1:  # split by a caller (explicit meshes), or no loop
-        return _ORIGINAL["scan_microbatches"](cfg, args, k, sums, batches)
-    views = tuple(
-        jax.tree.map(lambda x: jnp.asarray(x).reshape((x.shape[0] // k, k) + x.shape[1:]), args[i])
-        for i in cfg.split_argnums
-    )
-    # only traced abstractly by check_output (types, shardings kept); dead in the program
-    loss, aux = _accumulate.check_output(cfg, args, _ORIGINAL["split_microbatches"](cfg, args, k))
-    start = _accumulate.zero_sums(cfg, args, loss, aux) if sums is None else sums
-
-    def body(sums: Any, i: jax.Array) -> Any:
-        micro = jax.tree.map(
-            lambda v: jax.lax.dynamic_index_in_dim(v, i, axis=1, keepdims=False), views
+    def split_batches(cfg: Any, args: Any, k: int) -> tuple[Any, ...]:
+        if split == "swapaxes":
+            return _accumulate.split_microbatches(cfg, args, k)
+        return tuple(
+            jax.tree.map(
+                lambda x: jnp.asarray(x).reshape((k, x.shape[0] // k) + x.shape[1:]), args[i]
+            )
+            for i in cfg.split_argnums
         )
-        return _accumulate.micro_step(cfg, _accumulate.with_microbatch(cfg, args, micro), sums)
 
-    out, ys = jax.lax.scan(body, start, jnp.arange(k), unroll=cfg.unroll)
-    return _accumulate.Scanned(out, ys, loss, aux)
+    def scan(cfg: Any, args: Any, k: int, sums: Any = None, batches: Any = None) -> Any:
+        if batches is None and k > 1:
+            batches = split_batches(cfg, args, k)
+        return _ORIGINAL["scan_microbatches"](cfg, args, k, sums, batches)
+
+    return scan
 
 
 @contextlib.contextmanager
-def variant(
-    convs: bool = False, contiguous: bool = False, indexing: bool = False
-) -> Iterator[None]:
-    """While tracing: the proposed micro-step (``convs``), contiguous micro-batches, or the
-    strided micro-batch taken by index inside the loop (``indexing``)."""
-    if convs:
-        _accumulate.micro_step = _proposed_micro_step
-    if contiguous:
-        _accumulate.split_microbatches = _contiguous_split
-    if indexing:
-        _accumulate.scan_microbatches = _indexing_scan
+def variant(convs: bool = True, split: str = "gather") -> Iterator[None]:
+    """While tracing: the library's micro-step with (``convs``) or without the convolution
+    rewrite, and its micro-batches gathered inside the loop (``gather``, the library), split
+    before the loop as a4b2f71^ did (``swapaxes``), or cut into contiguous blocks."""
+    if not convs:
+        _conv_layout.canonical_convs = lambda fun: fun
+    if split != "gather":
+        _accumulate.scan_microbatches = _split_before(split)
     try:
         yield
     finally:
-        for name, fn in _ORIGINAL.items():
-            setattr(_accumulate, name, fn)
+        _conv_layout.canonical_convs = _ORIGINAL["canonical_convs"]
+        _accumulate.scan_microbatches = _ORIGINAL["scan_microbatches"]
+
+
+before = functools.partial(variant, convs=False, split="swapaxes")
 
 
 # --- the models ------------------------------------------------------------------------------
@@ -561,7 +423,6 @@ class Full(Way):
 
 class TrainStep(Way):
     name = "jaxaccum.train_step"
-    proposed = False
 
     def program(self, donate: bool) -> Any:
         return jaxaccum.train_step(
@@ -571,21 +432,6 @@ class TrainStep(Way):
             weighted=self.fam.weighted,
             donate=donate,
         )
-
-    def context(self) -> Any:
-        return variant(convs=True, indexing=True) if self.proposed else contextlib.nullcontext()
-
-    def build(self, params: Any, state: Any) -> None:
-        with self.context():
-            super().build(params, state)
-
-
-class Proposed(TrainStep):
-    """The recommended change: convolutions in canonical form in the loop body (CPU), and the
-    strided micro-batch taken by index inside the loop (no transposed copy of the batch)."""
-
-    name = "jaxaccum.train_step (proposed)"
-    proposed = True
 
 
 class PythonLoop(Way):
@@ -684,7 +530,7 @@ class OptaxMicrobatching(Way):
         return jax.jit(step, donate_argnums=_donate(donate))
 
 
-WAYS = (Full, TrainStep, Proposed, PythonLoop, OptaxMultiSteps, OptaxMicrobatching)
+WAYS = (Full, TrainStep, PythonLoop, OptaxMultiSteps, OptaxMicrobatching)
 
 
 def _copy(tree: Any) -> Any:
@@ -738,7 +584,7 @@ def main_families(args: argparse.Namespace) -> None:
         ways: tuple[type[Way], ...] = WAYS
         ks = [k for k in args.ks if fam.size % k == 0 and k <= fam.size]
         if key == "transformer_bf16":
-            ways = (Full, TrainStep, Proposed, PythonLoop)
+            ways = (Full, TrainStep, PythonLoop)
             ks = [k for k in ks if k in (1, 8)]
         if args.quick:
             ks = [k for k in ks if k in (1, 4, 16, 64)]
@@ -856,8 +702,6 @@ class _LoopVG:
         return run, s1 + s2 + s3, max(t1, t2)
 
 
-
-
 def hlo_summary(hlo: str) -> dict[str, Any]:
     """What the compiled program runs where: each convolution/dot counted by (where it sits:
     in the entry or inside a while loop) x (how it runs: ``ynn`` = a YNNPACK fusion, ``loop``
@@ -909,31 +753,27 @@ def _loop_variants(loss: Callable[..., Any], k: int, full_unroll_max: int) -> di
     """name -> (jitted value_and_grad, tracing context)."""
     vg = lambda **kw: jax.jit(jaxaccum.value_and_grad(loss, num_microbatches=k, **kw))  # noqa: E731
     none = contextlib.nullcontext
-    proposed = functools.partial(variant, convs=True, indexing=True)
     out = {
         "full batch": (jax.jit(jax.value_and_grad(loss)), none),
+        BEFORE: (vg(), before),
+        f"{BEFORE} unroll=2": (vg(unroll=2), before),
+        f"{BEFORE} unroll=4": (vg(unroll=4), before),
+        f"{BEFORE} unroll=k": (vg(unroll=k), before),
+        "hand-written lax.scan": (jax.jit(_hand_scan(loss, k)), none),
+        "Python loop": (_LoopVG(loss, k), none),
         "jaxaccum": (vg(), none),
         "jaxaccum unroll=2": (vg(unroll=2), none),
         "jaxaccum unroll=4": (vg(unroll=4), none),
-        "jaxaccum unroll=k": (vg(unroll=k), none),
-        "hand-written lax.scan": (jax.jit(_hand_scan(loss, k)), none),
-        "Python loop": (_LoopVG(loss, k), none),
-        "proposed": (vg(), proposed),
-        "proposed unroll=2": (vg(unroll=2), proposed),
-        "proposed unroll=4": (vg(unroll=4), proposed),
-        "convs only (swapaxes split)": (vg(), functools.partial(variant, convs=True)),
-        "convs only, contiguous split": (
-            vg(),
-            functools.partial(variant, convs=True, contiguous=True),
-        ),
+        "jaxaccum, swapaxes split": (vg(), functools.partial(variant, split="swapaxes")),
+        "jaxaccum, contiguous split": (vg(), functools.partial(variant, split="contiguous")),
     }
     if k < 4:
-        del out["jaxaccum unroll=4"], out["proposed unroll=4"]
+        del out[f"{BEFORE} unroll=4"], out["jaxaccum unroll=4"]
     if k < 2:
-        for name in ("jaxaccum unroll=2", "proposed unroll=2", "jaxaccum unroll=k"):
+        for name in (f"{BEFORE} unroll=2", "jaxaccum unroll=2", f"{BEFORE} unroll=k"):
             del out[name]
     if k > full_unroll_max:
-        out.pop("jaxaccum unroll=k", None)
+        out.pop(f"{BEFORE} unroll=k", None)
     return out
 
 
@@ -999,8 +839,8 @@ def compile_study(repeats: int = 3) -> dict[str, Any]:
     for model, (loss, params, batch) in cases.items():
         rows: dict[str, Any] = {}
         for name, unroll, context in (
+            (BEFORE, None, before),
             ("jaxaccum", None, contextlib.nullcontext),
-            ("proposed", None, functools.partial(variant, convs=True, indexing=True)),
             ("jaxaccum unroll=k", "k", contextlib.nullcontext),
         ):
             for k in (2, 8, 64):
@@ -1037,7 +877,7 @@ def loop_study(args: argparse.Namespace) -> None:
         variants = _loop_variants(cnn_loss, k, full_unroll_max=64)
         results["cnn"]["by_k"][k] = _study(cnn_loss, params, batch, k, variants, cnn_rounds)
     nnx_loss, nnx_params = nnx_cnn()
-    vg = jax.jit(jaxaccum.value_and_grad(nnx_loss, num_microbatches=8))
+    vg = functools.partial(jaxaccum.value_and_grad, nnx_loss, num_microbatches=8)
     results["nnx"] = {
         "model": "the same CNN in flax NNX (nnx.Conv, nnx.BatchNorm eval)",
         "k": 8,
@@ -1048,12 +888,9 @@ def loop_study(args: argparse.Namespace) -> None:
             8,
             {
                 "full batch": (jax.jit(jax.value_and_grad(nnx_loss)), contextlib.nullcontext),
-                "jaxaccum": (vg, contextlib.nullcontext),
+                BEFORE: (jax.jit(vg()), before),
                 "Python loop": (_LoopVG(nnx_loss, 8), contextlib.nullcontext),
-                "proposed": (
-                    jax.jit(jaxaccum.value_and_grad(nnx_loss, num_microbatches=8)),
-                    functools.partial(variant, convs=True, indexing=True),
-                ),
+                "jaxaccum": (jax.jit(vg()), contextlib.nullcontext),
             },
             cnn_rounds,
         ),
@@ -1066,7 +903,7 @@ def loop_study(args: argparse.Namespace) -> None:
     }
     for k in ks:
         variants = _loop_variants(mlp_loss, k, full_unroll_max=64)
-        for name in ("convs only (swapaxes split)", "convs only, contiguous split"):
+        for name in ("jaxaccum, swapaxes split", "jaxaccum, contiguous split"):
             variants.pop(name)
         results["mlp"]["by_k"][k] = _study(
             mlp_loss, GIST.params(), GIST.data(), k, variants, mlp_rounds
@@ -1098,7 +935,7 @@ def report(args: argparse.Namespace) -> None:
             A = entry["full_temp_bytes"]
             print(
                 f"\n**{entry['name']}**: ms per step (x full batch, x Python loop); "
-                f"{entry['unit']}/s of the proposed step\n"
+                f"{entry['unit']}/s in the plot\n"
             )
             rows = []
             for k, row in sorted(by_k.items()):
