@@ -6,14 +6,19 @@ is; one key per (micro-)batch does not. The constructions compared, each a mask 
 - ``one key``: ``bernoulli(fold_in(key, salt), keep, x.shape)`` from one key passed whole to
   the step: every micro-batch draws the same masks, so XLA hoists the draw out of the loop (it
   is computed once per step, not k times: not a fair baseline, shown for that reason);
-- ``one key per micro-batch``: the same from the micro-batch's first key (one draw per call,
-  as a per-call dropout does; not k-invariant): the baseline of the ratios;
-- ``per-example bernoulli``: ``vmap`` over the examples' keys (``jaxaccum.per_example_keys``) of
-  ``bernoulli(fold_in(key_i, salt), keep, x.shape[1:])``: what ``jaxaccum.experiment`` does;
-- ``per-example bits``: the same keys, ``jax.random.bits`` compared with ``keep * 2**32``
-  (no float uniform);
-- ``per-example threefry``: the examples' keys as raw threefry2x32 key data, whatever the
-  default PRNG implementation, then ``bits`` as above;
+- ``one key per micro-batch``: the same from the micro-batch's first key, a key of the default
+  PRNG implementation (one draw per call, as a per-call dropout does; not k-invariant): the
+  baseline of the ratios;
+- ``per-example bernoulli (per_example_keys)``: ``vmap`` over the examples' keys
+  (``jaxaccum.per_example_keys``: threefry2x32 keys whatever the default implementation, since
+  f943dd7) of ``bernoulli(fold_in(key_i, salt), keep, x.shape[1:])``: what
+  ``jaxaccum.experiment`` does;
+- ``per-example bits (per_example_keys)``: the same keys, ``jax.random.bits`` compared with
+  ``keep * 2**32`` (no float uniform);
+- ``per-example bernoulli, default-PRNG keys (before f943dd7)``: as the first, with keys
+  ``fold_in(key, i)`` of the default implementation, as ``per_example_keys`` made them before
+  f943dd7: under rbg/unsafe_rbg, ``vmap`` draws the whole batch from the first key, so these
+  masks are not k-invariant (``invariance`` in the results);
 - ``counter hash``: no keys at all: a stateless hash (two murmur3 finalizer rounds) of
   (the step's seed, salt, the example's global index, the position), compared with
   ``keep * 2**32``; the index is split with the batch, so it is k-invariant too.
@@ -47,14 +52,14 @@ import optax
 
 IMPLS = ("threefry2x32", "rbg", "unsafe_rbg")
 BASELINE = "one key per micro-batch"  # the ratios' denominator
-MASKS = (
+ONE_KEY, BERNOULLI, BITS = (
     "one key",
-    "one key per micro-batch",
-    "per-example bernoulli",
-    "per-example bits",
-    "per-example threefry",
-    "counter hash",
+    "per-example bernoulli (per_example_keys)",
+    "per-example bits (per_example_keys)",
 )
+DEFAULT_KEYS = "per-example bernoulli, default-PRNG keys (before f943dd7)"
+COUNTER = "counter hash"
+MASKS = (ONE_KEY, BASELINE, BERNOULLI, BITS, DEFAULT_KEYS, COUNTER)
 
 
 # --- the masks --------------------------------------------------------------------------------
@@ -102,25 +107,18 @@ def make_mask(kind: str) -> Callable[..., jax.Array]:
         draw = lambda k: jax.random.bits(jax.random.fold_in(k, salt), x.shape[1:], jnp.uint32)  # noqa: E731
         return jax.vmap(draw)(keys) < _threshold(keep)
 
-    def threefry(key_data: Any, x: jax.Array, keep: float, salt: int) -> jax.Array:
-        def draw(d: jax.Array) -> jax.Array:
-            k = jax.random.wrap_key_data(d, impl="threefry2x32")
-            return jax.random.bits(jax.random.fold_in(k, salt), x.shape[1:], jnp.uint32)
-
-        return jax.vmap(draw)(key_data) < _threshold(keep)
-
     def counter(seed_index: Any, x: jax.Array, keep: float, salt: int) -> jax.Array:
         seed, index = seed_index
         salted = seed ^ jnp.uint32((salt * 0x27D4EB2F) & 0xFFFFFFFF)
         return counter_hash_bits(salted, index, x.shape[1:]) < _threshold(keep)
 
     return {
-        "one key": one_key,
-        "one key per micro-batch": first_key,
-        "per-example bernoulli": bernoulli,
-        "per-example bits": bits,
-        "per-example threefry": threefry,
-        "counter hash": counter,
+        ONE_KEY: one_key,
+        BASELINE: first_key,
+        BERNOULLI: bernoulli,
+        BITS: bits,
+        DEFAULT_KEYS: bernoulli,
+        COUNTER: counter,
     }[kind]
 
 
@@ -132,25 +130,18 @@ def randomness(kind: str, batch_size: int, key: Any) -> tuple[Any, Any]:
     """``(per-example part, whole-batch part)``: what goes in the batch and what is passed whole."""
     import jaxaccum
 
-    if kind == "one key":
+    if kind == ONE_KEY:
         return None, key
-    if kind in ("one key per micro-batch", "per-example bernoulli", "per-example bits"):
+    if kind in (BERNOULLI, BITS):
         return jaxaccum.per_example_keys(key, batch_size), None
-    if kind == "per-example threefry":
-        root = jax.random.wrap_key_data(
-            jax.random.key_data(key).ravel()[:2].astype(jnp.uint32), impl="threefry2x32"
-        )
-        return jax.random.key_data(jaxaccum.per_example_keys(root, batch_size)), None
+    if kind in (BASELINE, DEFAULT_KEYS):  # keys of the default implementation
+        return jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(batch_size)), None
     seed = jax.random.bits(key, (2,), jnp.uint32)
     return jnp.arange(batch_size, dtype=jnp.uint32), seed
 
 
 def _rng(kind: str, per_example: Any, whole: Any) -> Any:
-    return (
-        (whole, per_example)
-        if kind == "counter hash"
-        else (whole if kind == "one key" else per_example)
-    )
+    return (whole, per_example) if kind == COUNTER else (whole if kind == ONE_KEY else per_example)
 
 
 # --- the models ---------------------------------------------------------------------------------
