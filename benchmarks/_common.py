@@ -7,6 +7,7 @@ batch of B examples, split into k micro-batches where it splits, then one SGD up
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import platform
 from collections.abc import Callable
@@ -224,9 +225,11 @@ def machine() -> dict[str, Any]:
 
 
 def result_path(name: str, ext: str) -> pathlib.Path:
-    """``results/NAME.EXT`` on CPU, ``results/NAME-BACKEND.EXT`` elsewhere (e.g. ``-gpu``)."""
+    """``results/NAME.EXT`` on CPU, ``results/NAME-BACKEND.EXT`` elsewhere (e.g. ``-gpu``);
+    ``results/NAME-SUFFIX.EXT`` when the environment sets ``BENCH_RESULTS_SUFFIX`` (a dry run
+    of benchmarks/gpu.sh on CPU, say, that must not overwrite the CPU results)."""
     RESULTS.mkdir(parents=True, exist_ok=True)
-    backend = jax.default_backend()
+    backend = os.environ.get("BENCH_RESULTS_SUFFIX") or jax.default_backend()
     return RESULTS / (f"{name}.{ext}" if backend == "cpu" else f"{name}-{backend}.{ext}")
 
 

@@ -1,12 +1,16 @@
 """Prints the saved benchmark results (benchmarks/results/*.json) as Markdown tables.
 
-python benchmarks/report.py
+python benchmarks/report.py          # the CPU results
+python benchmarks/report.py gpu      # results/*-gpu.json (benchmarks/gpu.sh)
+
+The model families and the loop study: ``python benchmarks/models.py report``.
 """
 
 from __future__ import annotations
 
 import json
 import pathlib
+import sys
 from typing import Any
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
@@ -105,14 +109,34 @@ def data_parallel(results: dict[str, Any]) -> None:
     print(table(["k", *names], rows))
 
 
+def dropout(results: dict[str, Any]) -> None:
+    by_impl = results["by_impl"]
+    first = next(iter(by_impl.values()))
+    masks = list(next(iter(next(iter(first["models"].values())).values())))
+    print(
+        f"\n**per-example dropout**: ms per step (ratio to one key per micro-batch), "
+        f"{results['rounds']} rounds; k-invariant: the masks are equal split in 1 or 8\n"
+    )
+    rows = []
+    for impl, out in by_impl.items():
+        for model, table_ in out["models"].items():
+            for way, row in table_.items():
+                cells = [f"{row[m]['ms']:.1f} ({row[m]['ratio_to_baseline']:.2f}x)" for m in masks]
+                rows.append([impl, model.split(",")[0], way, *cells])
+        rows.append([impl, "k-invariant", ""] + [str(out["invariance"].get(m, "")) for m in masks])
+    print(table(["PRNG", "model", "way", *masks], rows))
+
+
 def main() -> None:
+    suffix = f"-{sys.argv[1]}" if len(sys.argv) > 1 else ""
     for name, fn in (
         ("speed", speed),
         ("memory", memory),
         ("plan", plan),
         ("data_parallel", data_parallel),
+        ("dropout", dropout),
     ):
-        results = load(name)
+        results = load(name, suffix)
         if results:
             print(
                 f"\n### {name} ({results['machine']['backend']}, "
