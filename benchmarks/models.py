@@ -922,20 +922,107 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
 
 
+def _where(results: dict[str, Any], path: Any) -> str:
+    m = results["machine"]
+    return f"`{path.name}`: {m['backend']}, {m['cpu_count']} CPUs, jax {m['jax']}"
+
+
+def targets() -> None:
+    """The issue's targets, each from the run that decides it: the CNN, transformer and gist
+    MLP speed ratios from the repeat runs (``models_cnn_r12``, ``models_transformer_r8``,
+    ``models_mlp_r300``), bf16, temp bytes and compile times from ``models``."""
+    import json
+
+    def load(name: str) -> dict[str, Any] | None:
+        path = result_path(name, "json")
+        return json.loads(path.read_text()) if path.exists() else None
+
+    step, full, loop = TrainStep.name, Full.name, PythonLoop.name
+    rows = []
+
+    def by_k(results: dict[str, Any], key: str) -> dict[int, Any]:
+        return {int(k): row for k, row in results["families"][key]["by_k"].items()}
+
+    for key, name in (
+        ("cnn", "models_cnn_r12"),
+        ("transformer", "models_transformer_r8"),
+        ("transformer_bf16", "models"),
+    ):
+        results = load(name)
+        if not results or key not in results["families"]:
+            continue
+        batch = results["families"][key]["batch"]
+        cells = []
+        for k, row in sorted(by_k(results, key).items()):
+            if batch // k < 4:
+                continue
+            ratio = row[step]["ms"] / min(row[full]["ms"], row[loop]["ms"])
+            cells.append(f"k={k}: {ratio:.2f}")
+        rounds = results["families"][key]["rounds"]
+        rows.append(
+            [f"{key}: train_step / min(full, loop)", f"`{name}.json` ({rounds} rounds)", *cells]
+        )
+    mlp = load("models_mlp_r300")
+    if mlp:
+        rows_k = by_k(mlp, "mlp")
+        rounds = mlp["families"]["mlp"]["rounds"]
+        where = f"`models_mlp_r300.json` ({rounds} rounds)"
+        rows.append(
+            ["mlp: train_step / full (k <= 8)", where]
+            + [f"k={k}: {rows_k[k][step]['ratio_to_full']:.2f}" for k in (1, 2, 4, 8)]
+        )
+        ms = rows_k[64]
+        rows.append(
+            ["mlp k=64: optax.MultiSteps / train_step", where]
+            + [f"{ms['optax.MultiSteps']['ms'] / ms[step]['ms']:.1f}x faster"]
+        )
+    results = load("models")
+    if results:
+        for key, entry in results["families"].items():
+            rk = by_k(results, key)
+            P, A = entry["param_bytes"], entry["full_temp_bytes"]
+            A0 = entry.get("full_temp_bytes_undonated") or A
+            cells, below = [], []
+            for k, row in sorted(rk.items()):
+                t, t0 = row[step]["temp_bytes"], row[step].get("temp_bytes_undonated")
+                cell = f"k={k}: {t / (1.1 * P + 1.2 * A / k):.2f}"
+                if t0:
+                    cell += f" ({t0 / (1.1 * P + 1.2 * A0 / k):.2f})"
+                cells.append(cell)
+                if "optax.microbatching" in row and k > 1:
+                    mb = row["optax.microbatching"]
+                    below.append(f"k={k}: {t / mb['temp_bytes']:.2f}")
+            rows.append([f"{key}: temp / (1.1P + 1.2A/k), donated (not)", "`models.json`", *cells])
+            if below:
+                rows.append([f"{key}: temp / optax.microbatching's", "`models.json`", *below])
+            ks = sorted(k for k in rk if k >= 2)
+            if len(ks) >= 2:
+                lo, hi = rk[ks[0]][step]["compile_s"], rk[ks[-1]][step]["compile_s"]
+                rows.append(
+                    [f"{key}: compile s, k={ks[-1]} / k={ks[0]}", "`models.json`"]
+                    + [f"{hi:.2f} / {lo:.2f} = {hi / lo:.2f}"]
+                )
+    width = max(len(r) for r in rows) if rows else 0
+    rows = [r + [""] * (width - len(r)) for r in rows]
+    print("\n**targets** (ratios; each row from the JSON named)\n")
+    print(_table(["target", "from", *[""] * (width - 2)], rows))
+
+
 def report(args: argparse.Namespace) -> None:
     """Prints the saved results as Markdown tables."""
     import json
 
     path = result_path(args.out, "json")
     if path.exists():
-        for entry in json.loads(path.read_text())["families"].values():
+        results = json.loads(path.read_text())
+        for entry in results["families"].values():
             by_k = {int(k): row for k, row in entry["by_k"].items()}
             names = list(by_k[min(by_k)])
             mib, P = 2**20, entry["param_bytes"]
             A = entry["full_temp_bytes"]
             print(
-                f"\n**{entry['name']}**: ms per step (x full batch, x Python loop); "
-                f"{entry['unit']}/s in the plot\n"
+                f"\n**{entry['name']}** ({_where(results, path)}, {entry['rounds']} rounds): "
+                f"ms per step (x full batch, x Python loop); {entry['unit']}/s in the plot\n"
             )
             rows = []
             for k, row in sorted(by_k.items()):
@@ -961,13 +1048,26 @@ def report(args: argparse.Namespace) -> None:
                     cells.append(f"{v['temp_bytes'] / mib:.2f}{extra} / {v['compile_s']:.1f}s")
                 rows.append([str(k), target, *cells])
             print(_table(["k", "1.1P+1.2A/k", *names], rows))
+    if args.out == "models":
+        targets()
     path = result_path("models_loops", "json")
     if path.exists():
         loops = json.loads(path.read_text())
         for model in ("cnn", "mlp"):
             by_k = {int(k): row for k, row in loops[model]["by_k"].items()}
             names = list(dict.fromkeys(n for _, row in sorted(by_k.items()) for n in row))
-            print(f"\n**loop study, {loops[model]['model']}**: ms (x full batch) / temp MiB\n")
+            old = any("proposed" in n for n in names)
+            print(
+                f"\n**loop study, {loops[model]['model']}** ({_where(loops, path)}): ms (x full "
+                "batch) / temp MiB"
+                + (
+                    "; measured before a4b2f71: `jaxaccum` is the library as it was (now "
+                    f"`{BEFORE}`), `proposed` the prototype of what the library is now"
+                    if old
+                    else ""
+                )
+                + "\n"
+            )
             rows = []
             for k, row in sorted(by_k.items()):
                 rows.append(
