@@ -11,18 +11,17 @@ does on the entry computation: exactly the same values (transposes only), on CPU
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.extend import core as jex
 
+from jaxaccum import _jaxpr
+
 _CONV = jex.primitives.conv_general_dilated_p
-_INLINE = ("jit", "pjit", "closed_call", "core_call")
 
 
 def _canonical_specs(n: int) -> tuple[tuple[int, ...], ...]:
@@ -78,60 +77,30 @@ def _rewrite(sub: Any) -> Any:
     return sub if new.consts else new.jaxpr  # an open jaxpr takes no consts: leave it as it was
 
 
-def _bind(eqn: Any, invals: list[Any], params: dict[str, Any]) -> list[Any]:
-    bind_params = eqn.primitive.get_bind_params(params)
-    subfuns: tuple[Any, ...] = ()
-    if isinstance(bind_params, tuple):  # older jax returns (subfuns, params)
-        subfuns, bind_params = bind_params
-    manager = getattr(getattr(eqn, "ctx", None), "manager", None)
-    with manager if manager is not None else contextlib.nullcontext():
-        out = eqn.primitive.bind(*subfuns, *invals, **bind_params)
-    return list(out) if eqn.primitive.multiple_results else [out]
+def _rule(eqn: Any, invals: list[Any]) -> list[Any] | None:
+    if _noncanonical(eqn):
+        return [_canonical_conv(*invals, **eqn.params)]
+    if not any(map(has_noncanonical_conv, jex.jaxprs_in_params(eqn.params))):
+        return None
+    # scan, while, cond, remat, custom rules: the same primitive, bodies rewritten
+    params = {
+        key: type(v)(map(_rewrite, v)) if isinstance(v, (tuple, list)) else _rewrite(v)
+        for key, v in eqn.params.items()
+    }
+    return _jaxpr.bind(eqn, invals, params)
+
+
+def _inline(eqn: Any) -> bool:
+    return has_noncanonical_conv(_jaxpr.called_jaxpr(eqn))
 
 
 def _eval(jaxpr: Any, consts: Any, *args: Any) -> list[Any]:
-    env: dict[Any, Any] = dict(zip(jaxpr.constvars, consts, strict=True))
-    env.update(zip(jaxpr.invars, args, strict=True))
-
-    def read(v: Any) -> Any:
-        return v.val if isinstance(v, jex.Literal) else env[v]
-
-    for eqn in jaxpr.eqns:
-        invals = [read(v) for v in eqn.invars]
-        if _noncanonical(eqn):
-            outs = [_canonical_conv(*invals, **eqn.params)]
-        elif not any(map(has_noncanonical_conv, jex.jaxprs_in_params(eqn.params))):
-            outs = _bind(eqn, invals, eqn.params)
-        elif eqn.primitive.name in _INLINE and isinstance(eqn.params.get("jaxpr"), jex.ClosedJaxpr):
-            sub = eqn.params["jaxpr"]  # a nested jit: inlined (XLA inlines it anyway)
-            outs = _eval(sub.jaxpr, sub.consts, *invals)
-        else:  # scan, while, cond, remat, custom rules: the same primitive, bodies rewritten
-            params = {
-                key: type(v)(map(_rewrite, v)) if isinstance(v, (tuple, list)) else _rewrite(v)
-                for key, v in eqn.params.items()
-            }
-            outs = _bind(eqn, invals, params)
-        env.update(zip(eqn.outvars, outs, strict=True))
-    return [read(v) for v in jaxpr.outvars]
-
-
-def _with_array_arguments(fun: Callable[..., Any], args: tuple[Any, ...]) -> tuple[Any, list[Any]]:
-    """``fun`` as a function of the array leaves of ``args`` (every other leaf closed over)."""
-    leaves, tree = jax.tree.flatten(args)
-    dynamic = [i for i, x in enumerate(leaves) if isinstance(x, (jax.Array, np.ndarray))]
-
-    def call(*xs: Any) -> Any:
-        full = list(leaves)
-        for i, x in zip(dynamic, xs, strict=True):
-            full[i] = x
-        return fun(*jax.tree.unflatten(tree, full))
-
-    return call, [leaves[i] for i in dynamic]
+    return _jaxpr.evaluate(jaxpr, consts, *args, rule=_rule, inline=_inline)
 
 
 def rewrite_jaxpr(fun: Callable[..., Any], *args: Any) -> Any:
     """``fun(*args)`` computed with every convolution in canonical form, on any platform."""
-    call, xs = _with_array_arguments(fun, args)
+    call, xs = _jaxpr.with_array_arguments(fun, args)
     closed, shape = jax.make_jaxpr(call, return_shape=True)(*xs)
     out = _eval(closed.jaxpr, closed.consts, *xs)
     return jax.tree.unflatten(jax.tree.structure(shape), out)
@@ -148,7 +117,7 @@ def canonical_convs(fun: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(fun)
     def wrapped(*args: Any) -> Any:
-        call, xs = _with_array_arguments(fun, args)
+        call, xs = _jaxpr.with_array_arguments(fun, args)
         closed, shape = jax.make_jaxpr(call, return_shape=True)(*xs)
         if not has_noncanonical_conv(closed):
             return fun(*args)

@@ -10,7 +10,12 @@ by the mesh's axis types (both measured in ``benchmarks/sharded.py``):
   every micro-batch's gradient comes out ``unreduced``: per-device partial sums that the scan
   adds without communication. After the scan one reshard to the leaf's own sharding performs
   the step's only gradient reduction (an all-reduce, or a reduce-scatter for an FSDP leaf).
-  Models written for Explicit axes (``out_sharding=``) work unchanged.
+  Models written for Explicit axes (``out_sharding=``) work unchanged. JAX rejects an
+  elementwise op between a reduced parameter and a batch-sharded activation (a bias add, a
+  LayerNorm scale); :func:`reduced_compatible` re-evaluates the model so that the parameter is
+  resharded like the activation there (free, and its gradient stays unreduced). That works at
+  the model's top level and in nested ``jit``s; inside the model's own loops (a ``lax.scan``
+  over layers) such parameters fall back to the partitioner's reduction per micro-batch.
 - **Auto axes**: a ``jax.shard_map`` that is manual over the data axes only
   (``axis_names=``); each device scans its own share of the batch, and the sums are reduced
   after the scan with one ``psum`` (``psum_scatter`` for FSDP leaves). Parameter shardings are
@@ -27,6 +32,7 @@ memory, k times the traffic).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -35,7 +41,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxaccum import _accumulate, _reductions, _validation
+from jaxaccum import _accumulate, _jaxpr, _reductions, _validation
 
 FSDP_MODES = ("step", "microbatch")
 
@@ -135,13 +141,15 @@ class DataParallel:
 
     def without_data(self, spec: P, ndim: int) -> P:
         """``spec`` with the data axes removed (what a gathered leaf is sharded over)."""
-        return P(*(_entry(tuple(n for n in _names(e) if n not in self.axes))
-                   for e in padded(spec, ndim)))
+        return P(
+            *(_entry(tuple(n for n in _names(e) if n not in self.axes)) for e in padded(spec, ndim))
+        )
 
     def data_part(self, spec: P, ndim: int) -> P:
         """Only the data axes of ``spec`` (a partial-manual ``shard_map`` in_spec)."""
-        return P(*(_entry(tuple(n for n in _names(e) if n in self.axes))
-                   for e in padded(spec, ndim)))
+        return P(
+            *(_entry(tuple(n for n in _names(e) if n in self.axes)) for e in padded(spec, ndim))
+        )
 
     def sharded_over_data(self, spec: P, ndim: int) -> bool:
         return any(n in self.axes for e in padded(spec, ndim) for n in _names(e))
@@ -201,23 +209,45 @@ class DataParallel:
         batches = jax.tree.map(
             lambda x: self._reshard(x, P(None, *self.batch_spec(x.ndim - 1))), batches
         )
-        # Which leaves can be cast to reduced: JAX rejects an elementwise op between a reduced
+        # Which leaves can be cast to reduced. JAX rejects an elementwise op between a reduced
         # array and one sharded over the same axes (a bias added to a batch-sharded
-        # activation), so try every leaf, then kernels only (ndim >= 2), then none. A leaf
-        # left replicated has its gradient reduced by the partitioner in every micro-batch.
-        # A finiteness test (skip_nonfinite) is not linear: then nothing is left unreduced.
-        choices = [lambda x: False] if cfg.skip_nonfinite else [
-            lambda x: True, lambda x: x.ndim >= 2, lambda x: False]
-        for choice in choices:
-            reduced = jax.tree.map(choice, diff)
-            trial = self._explicit_args(cfg, args, diff, specs, reduced)
+        # activation); `reduced_compatible` re-evaluates fun so that such an op reshards the
+        # parameter first, which resolves it at the top level of fun (and in nested jits), not
+        # inside its own loops (a scan over layers). So: every leaf; every leaf with fun
+        # re-evaluated; kernels only (ndim >= 2); none. A leaf left replicated has its gradient
+        # reduced by the partitioner in every micro-batch. A finiteness test (skip_nonfinite)
+        # is not linear: then nothing is left unreduced. Each trial traces the whole scan
+        # (the backward pass too: it can fail where the forward pass did not).
+        choices: list[tuple[bool | str, bool]] = (
+            [(False, False)]
+            if cfg.skip_nonfinite
+            else [(True, False), (True, True), ("kernels", False), (False, False)]
+        )
+        for n, (which, resolve) in enumerate(choices):
+            reduced = jax.tree.map(functools.partial(_cast_to_reduced, which=which), diff)
+            trial_cfg = cfg
+            if resolve:
+                trial_cfg = dataclasses.replace(cfg, fun=reduced_compatible(cfg.fun))
             try:
-                loss, aux_like = _accumulate.check_output(trial[0], trial[1], batches)
-                break
-            except Exception as error:  # jax's ShardingTypeError is not public
-                if type(error).__name__ != "ShardingTypeError" or choice is choices[-1]:
+                return self._explicit_scan(trial_cfg, args, k, diff, specs, reduced, batches)
+            except Exception as error:
+                if not _is_sharding_type_error(error) or n == len(choices) - 1:
                     raise
-        inner_cfg, cast_args, per_microbatch = trial
+        raise AssertionError("unreachable")
+
+    def _explicit_scan(
+        self,
+        cfg: _accumulate.Config,
+        args: tuple[Any, ...],
+        k: int,
+        diff: Any,
+        specs: Any,
+        reduced: Any,
+        batches: Any,
+    ) -> _accumulate.Accumulated:
+        """The scan with the ``reduced`` leaves cast to reduced, then one reshard per leaf."""
+        inner_cfg, cast_args, per_microbatch = self._explicit_args(cfg, args, diff, specs, reduced)
+        loss, aux_like = _accumulate.check_output(inner_cfg, cast_args, batches)
 
         def zeros(x: Any, spec: P, m: bool, r: bool) -> jax.Array:
             dtype = _reductions.accumulator_dtype_for(x.dtype, cfg.accumulator_dtype)
@@ -258,8 +288,16 @@ class DataParallel:
         )
         inner_cfg = cfg
         if any(jax.tree.leaves(per_microbatch)):
-            inner_cfg = _gather_inside(cfg, lambda tree: jax.tree.map(
-                lambda x, s, m, r: cast(x, s, r) if m else x, tree, specs, per_microbatch, reduced))
+            inner_cfg = _gather_inside(
+                cfg,
+                lambda tree: jax.tree.map(
+                    lambda x, s, m, r: cast(x, s, r) if m else x,
+                    tree,
+                    specs,
+                    per_microbatch,
+                    reduced,
+                ),
+            )
         return inner_cfg, _accumulate.replace_differentiated(cfg, args, outside), per_microbatch
 
     # Auto axes: shard_map manual over the data axes only; one psum (or psum_scatter) after.
@@ -303,19 +341,30 @@ class DataParallel:
 
         def local(*local_args: Any) -> tuple[Any, ...]:
             local_args = tuple(
-                a if i in cfg.split_argnums or i in cfg.diff_argnums
+                a
+                if i in cfg.split_argnums or i in cfg.diff_argnums
                 else gather_tree(a, in_specs[i])
                 for i, a in enumerate(local_args)
             )
             inner_cfg = cfg
             if per_microbatch:  # gathered inside fun: autodiff reduce-scatters per micro-batch
-                inner_cfg = _gather_inside(cfg, lambda tree: jax.tree.map(
-                    gather, tree, diff_specs, is_leaf=lambda s: isinstance(s, P)))
+                inner_cfg = _gather_inside(
+                    cfg,
+                    lambda tree: jax.tree.map(
+                        gather, tree, diff_specs, is_leaf=lambda s: isinstance(s, P)
+                    ),
+                )
             else:
                 local_args = _accumulate.replace_differentiated(
-                    cfg, local_args, jax.tree.map(
-                        gather, cfg.differentiated(local_args), diff_specs,
-                        is_leaf=lambda s: isinstance(s, P)))
+                    cfg,
+                    local_args,
+                    jax.tree.map(
+                        gather,
+                        cfg.differentiated(local_args),
+                        diff_specs,
+                        is_leaf=lambda s: isinstance(s, P),
+                    ),
+                )
             scanned = _accumulate.scan_microbatches(inner_cfg, local_args, k)
             sums, loss = scanned.sums, scanned.loss
             if cfg.stacks_all_aux:
@@ -353,8 +402,87 @@ class DataParallel:
         return _accumulate.Accumulated(loss, grads, aux, weight, skipped, k * self.devices)
 
 
-def _combine_aux(cfg: _accumulate.Config, like: Any, per_device: list[Any], total: Any,
-                 k: int) -> Any:
+def _cast_to_reduced(x: jax.Array, which: bool | str) -> bool:
+    return x.ndim >= 2 if which == "kernels" else bool(which)
+
+
+def _is_sharding_type_error(error: Exception) -> bool:
+    return type(error).__name__ == "ShardingTypeError"  # not public in jax
+
+
+def _reduced(x: Any) -> bool:
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    return bool(sharding is not None and sharding.spec.reduced)
+
+
+def _without_reduced(x: Any) -> jax.ShapeDtypeStruct:
+    """``x``'s type with its ``reduced`` axes dropped (the same data: a replicated array)."""
+    sharding = jax.typeof(x).sharding
+    spec = P(*sharding.spec.partitions, unreduced=sharding.spec.unreduced)
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(sharding.mesh, spec))
+
+
+def _resolve_reduced(eqn: Any, invals: list[Any]) -> list[Any] | None:
+    """An elementwise op between a reduced operand (a parameter) and an operand sharded over
+    the same axes (a batch-sharded activation): the reduced one is broadcast to the output's
+    shape and resharded like the other, a free slice whose transpose keeps the gradient
+    unreduced. JAX's own error message suggests this reshard."""
+    try:
+        return _jaxpr.bind(eqn, invals)
+    except Exception as error:
+        if not _is_sharding_type_error(error):
+            raise
+        shape = eqn.outvars[0].aval.shape if len(eqn.outvars) == 1 else None
+        like = [v for v in invals if not _reduced(v) and jnp.shape(v) == shape]
+        if shape is None or not like or not any(map(_reduced, invals)):
+            raise
+        target = jax.typeof(like[0]).sharding
+        return _jaxpr.bind(eqn, [_sharded_like(v, shape, target) if _reduced(v) else v
+                                 for v in invals])
+
+
+def _sharded_like(v: jax.Array, shape: tuple[int, ...], target: NamedSharding) -> jax.Array:
+    """A reduced ``v`` broadcast to ``shape`` with the sharding ``target``, never materialised
+    whole: along a dimension sharded over n devices that ``v`` broadcasts (size 1), ``v`` is
+    broadcast to n, resharded (each device keeps one copy) and expanded locally. Under
+    transposition the gradient is summed locally and stays unreduced, n values per device."""
+    v = jnp.reshape(v, (1,) * (len(shape) - jnp.ndim(v)) + jnp.shape(v))
+    spec = padded(P(*target.spec.partitions), len(shape))
+    split = {}
+    for d, entry in enumerate(spec):
+        n = math.prod(target.mesh.shape[a] for a in _names(entry))
+        if n > 1 and v.shape[d] == 1 and shape[d] % n == 0:
+            split[d] = n
+    small = tuple(split.get(d, size) for d, size in enumerate(shape))
+    v = jax.reshard(jnp.broadcast_to(v, small), target)
+    if not split:
+        return v
+    ones = [s for d, size in enumerate(small) for s in ((size, 1) if d in split else (size,))]
+    full = [s for d, size in enumerate(small)
+            for s in ((size, shape[d] // size) if d in split else (size,))]
+    return jnp.broadcast_to(v.reshape(ones), full).reshape(shape)
+
+
+def reduced_compatible(fun: Any) -> Any:
+    """``fun`` for reduced parameters: the ops that mix a reduced parameter with a data-sharded
+    activation (a bias add, a LayerNorm scale) reshard the parameter there (see
+    :func:`_resolve_reduced`); nested ``jit`` calls are inlined. Traced once as written with
+    plain (replicated) types, then re-evaluated on the reduced arguments."""
+
+    def wrapped(*args: Any) -> Any:
+        call, xs = _jaxpr.with_array_arguments(fun, args)
+        closed, shape = jax.make_jaxpr(call, return_shape=True)(*map(_without_reduced, xs))
+        out = _jaxpr.evaluate(
+            closed.jaxpr, closed.consts, *xs, rule=_resolve_reduced, inline=lambda eqn: True
+        )
+        return jax.tree.unflatten(jax.tree.structure(shape), out)
+
+    return wrapped
+
+
+def _combine_aux(
+    cfg: _accumulate.Config, like: Any, per_device: list[Any], total: Any, k: int
+) -> Any:
     """Reduced aux leaves: combines the devices' raw accumulators (stacked on axis 0)."""
     plan = _reductions.aux_plan(cfg.aux_reduce, like)
     accs: list[Any] = []
