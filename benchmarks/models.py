@@ -33,6 +33,7 @@ prototype in this file (named ``proposed`` there).
     python benchmarks/models.py --quick         # ~2.5 min: fewer k and rounds: models_quick.*
     python benchmarks/models.py --families cnn --rounds 12 --out models_cnn_r12   # a repeat
     python benchmarks/models.py loops           # ~15 min: results/models_loops.json
+    python benchmarks/models.py compile         # ~3 min: train_step compile times, k=2..64
     python benchmarks/models.py report          # the tables of the saved results
 """
 
@@ -863,6 +864,43 @@ def compile_study(repeats: int = 3) -> dict[str, Any]:
     return out
 
 
+def train_step_compile(args: argparse.Namespace) -> None:
+    """Lower + compile seconds of ``jaxaccum.train_step`` (donating, as the families run it)
+    per family at k = 2, 8 and the largest k (64, the transformer 32): ``--rounds`` (default
+    5) fresh jits of every (family, k), interleaved round by round; the minimum is the least
+    disturbed by other load. Writes results/models_compile.json."""
+    fams = families(quick=False, lm_batch=args.lm_batch)
+    repeats = args.rounds or 5
+    cases = []
+    for key in args.families:
+        fam = fams[key]
+        top = max(k for k in KS if fam.size % k == 0 and k <= fam.size)
+        cases += [(key, k) for k in (2, 8, top)]
+    seconds: dict[tuple[str, int], list[float]] = {case: [] for case in cases}
+    for _ in range(repeats):
+        for key, k in cases:
+            fam = fams[key]
+            way = TrainStep(fam, k)
+            params = _copy(fam.params)
+            state = fam.optimizer.init(params)
+            seconds[(key, k)].append(
+                compile_timed(way.program(donate=True), params, state, fam.batch)[1]
+            )
+    out: dict[str, Any] = {"machine": machine(), "repeats": repeats, "families": {}}
+    for key in args.families:
+        ks = [k for f, k in cases if f == key]
+        row = {k: {"min_s": min(seconds[(key, k)]), "all_s": seconds[(key, k)]} for k in ks}
+        ratio = row[ks[-1]]["min_s"] / row[ks[0]]["min_s"]
+        out["families"][key] = {"name": fams[key].name, "by_k": row, "ratio_top_to_2": ratio}
+        print(
+            f"compile {key:16s} "
+            + "  ".join(f"k={k}: {row[k]['min_s']:.2f}s" for k in ks)
+            + f"  k={ks[-1]}/k=2: {ratio:.2f}",
+            flush=True,
+        )
+    print(f"wrote {save('models_compile', out)}")
+
+
 def loop_study(args: argparse.Namespace) -> None:
     ks = [k for k in args.ks if not args.quick or k in (1, 8, 64)]
     cnn_rounds = args.rounds or (2 if args.quick else 4)
@@ -976,6 +1014,18 @@ def targets() -> None:
             ["mlp k=64: optax.MultiSteps / train_step", where]
             + [f"{ms['optax.MultiSteps']['ms'] / ms[step]['ms']:.1f}x faster"]
         )
+    compiled = load("models_compile")
+    if compiled:
+        for key, entry in compiled["families"].items():
+            ks = sorted(int(k) for k in entry["by_k"])
+            lo, hi = (entry["by_k"][str(k)]["min_s"] for k in (ks[0], ks[-1]))
+            rows.append(
+                [
+                    f"{key}: compile s (min of {compiled['repeats']}), k={ks[-1]} / k={ks[0]}",
+                    "`models_compile.json`",
+                    f"{hi:.2f} / {lo:.2f} = {hi / lo:.2f}",
+                ]
+            )
     results = load("models")
     if results:
         for key, entry in results["families"].items():
@@ -996,7 +1046,7 @@ def targets() -> None:
             if below:
                 rows.append([f"{key}: temp / optax.microbatching's", "`models.json`", *below])
             ks = sorted(k for k in rk if k >= 2)
-            if len(ks) >= 2:
+            if len(ks) >= 2 and not compiled:
                 lo, hi = rk[ks[0]][step]["compile_s"], rk[ks[-1]][step]["compile_s"]
                 rows.append(
                     [f"{key}: compile s, k={ks[-1]} / k={ks[0]}", "`models.json`"]
@@ -1101,7 +1151,10 @@ def report(args: argparse.Namespace) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "what", nargs="?", default="families", choices=("families", "loops", "report")
+        "what",
+        nargs="?",
+        default="families",
+        choices=("families", "loops", "compile", "report"),
     )
     parser.add_argument(
         "--families", nargs="+", default=["mlp", "cnn", "transformer", "transformer_bf16"]
@@ -1118,6 +1171,8 @@ def main() -> None:
         args.out = "models_quick"  # never overwrite the full run's results
     if args.what == "loops":
         loop_study(args)
+    elif args.what == "compile":
+        train_step_compile(args)
     elif args.what == "report":
         report(args)
     else:
