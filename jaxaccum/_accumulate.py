@@ -533,6 +533,7 @@ def value_and_grad(
     skip_nonfinite: bool = False,
     carry_argnums: int | tuple[int, ...] = (),
     aux_reduce: Any = "stack",
+    param_shardings: Any = None,
 ) -> Callable[..., tuple[Any, Any]]:
     """Like ``jax.value_and_grad``, but the batch is processed as k micro-batches in one scan.
 
@@ -590,6 +591,14 @@ def value_and_grad(
         parameter and gradient per device); ``"microbatch"`` gathers it in every micro-batch
         and reduce-scatters every micro-batch's gradient into a sharded accumulator (ZeRO-3:
         less memory, k times the traffic).
+      param_shardings: on a mesh with Auto axes, called under your own ``jax.jit``: the
+        shardings (``NamedSharding`` or ``PartitionSpec`` leaves) of the differentiated
+        arguments, a tree like ``params`` (a tuple of trees for a tuple ``argnums``). Traced
+        arrays carry no sharding there, so without it a parameter sharded over a data axis
+        (FSDP) is taken as replicated (correct, but gathered, and its gradient comes back
+        replicated). Not needed on Explicit meshes, nor when called with concrete arrays
+        outside ``jit``, nor with :func:`jaxaccum.train_step` (each reads the arrays'
+        shardings).
       skip_nonfinite: leave out every micro-batch whose loss or gradient holds a NaN or an
         infinity, and renormalise: the result is the exact (weighted) mean over the remaining
         micro-batches, and 0 if none remains. The value then carries a count: it is
@@ -658,11 +667,16 @@ def value_and_grad(
         aux_reduce=aux_reduce,
     )
     sharding = _sharding.data_parallel(mesh, data_axis, fsdp)
+    if param_shardings is not None and sharding is None:
+        raise ValueError("param_shardings was given without a mesh")
 
     @functools.wraps(fun)
     def accumulated(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
         call_cfg = bind_call(cfg, args, kwargs, argnums, batch_argnums)
-        out = accumulate(call_cfg, args, num_microbatches, microbatch_size, sharding)
+        call_sharding = sharding
+        if sharding is not None:
+            call_sharding = sharding.with_param_shardings(param_shardings, args, argnums)
+        out = accumulate(call_cfg, args, num_microbatches, microbatch_size, call_sharding)
         return shape_value(cfg, out), out.grads
 
     return accumulated

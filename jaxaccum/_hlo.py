@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter
+from collections.abc import Collection
 
 _HEADER = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*\(.*\{\s*$")
 _REF = re.compile(r"(?:body|condition|to_apply|calls|branch_computations)=\{?%?([\w.\-,% ]+)\}?")
@@ -104,23 +105,28 @@ def collectives(hlo: str) -> list[tuple[str, bool, int, int]]:
     return found
 
 
-def gradient_reductions(hlo: str, group_size: int, min_bytes: int = 64) -> dict[str, int]:
+def gradient_reductions(
+    hlo: str, group_size: int | Collection[int], min_bytes: int = 64
+) -> dict[str, int]:
     """Counts the reductions (all-reduce, reduce-scatter) over ``group_size`` devices.
 
-    ``group_size`` is the number of devices along the data axes: a model's own tensor-parallel
-    reductions (over the model axis) have other groups. ``replica_groups={}`` (every device)
+    ``group_size`` is the number of devices along the data axes (or several sizes, one per
+    subset of several data axes: an FSDP leaf sharded over one of them is reduce-scattered
+    over it and summed over the others): a model's own tensor-parallel reductions (over the
+    model axis) have other groups. ``replica_groups={}`` (every device)
     counts too. Scalars (a loss averaged over a
     sharded batch, weights, counters) fall below ``min_bytes``; a gradient does not.
 
     Returns:
       ``{"total": n, "in loops": m, "bytes": b, "bytes in loops": c}``.
     """
+    sizes = {group_size} if isinstance(group_size, int) else set(group_size)
     rows = [
         (in_loop, size)
         for op, in_loop, size, group in collectives(hlo)
         if op in ("all-reduce", "reduce-scatter")
         and size >= min_bytes
-        and group in (group_size, -1)
+        and (group == -1 or group in sizes)
     ]
     return {
         "total": len(rows),

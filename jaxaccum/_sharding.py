@@ -114,6 +114,35 @@ class DataParallel:
         types = dict(zip(self.mesh.axis_names, self.mesh.axis_types, strict=True))
         return all(types[a] == jax.sharding.AxisType.Explicit for a in self.axes)
 
+    def with_param_shardings(
+        self, shardings: Any, args: tuple[Any, ...], argnums: int | tuple[int, ...]
+    ) -> DataParallel:
+        """This mesh with ``hints`` for the differentiated arguments (value_and_grad's
+        ``param_shardings``); a ``PartitionSpec`` leaf is taken on this mesh."""
+        if shardings is None:
+            return self
+        nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+        trees = (shardings,) if isinstance(argnums, int) else tuple(shardings)
+        if len(trees) != len(nums):
+            raise ValueError(
+                f"param_shardings must hold one tree per differentiated argument (argnums="
+                f"{argnums}); got {len(trees)}"
+            )
+        is_leaf = lambda s: isinstance(s, (P, NamedSharding))  # noqa: E731
+        hints: list[Any] = [None] * len(args)
+        for i, tree in zip(nums, trees, strict=True):
+            try:
+                hints[i] = jax.tree.map(
+                    lambda s, _: s if isinstance(s, NamedSharding) else NamedSharding(self.mesh, s),
+                    tree, args[i], is_leaf=is_leaf)
+            except (ValueError, TypeError) as error:
+                raise TypeError(
+                    f"param_shardings for argument {i} must be a tree of PartitionSpec or "
+                    f"NamedSharding shaped like the argument {jax.tree.structure(args[i])}; "
+                    f"got {jax.tree.structure(tree, is_leaf=is_leaf)}"
+                ) from error
+        return dataclasses.replace(self, hints=tuple(hints))
+
     # --- specs ------------------------------------------------------------------------------
 
     def spec_of(self, x: Any, hint: Any = None) -> P:

@@ -13,8 +13,13 @@ import subprocess
 import sys
 import textwrap
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
+
+import jaxaccum
 
 COMMON = """
 import json, jax, jax.numpy as jnp, numpy as np, optax, jaxaccum
@@ -226,3 +231,25 @@ def test_errors_name_arguments():
     assert "data_axis='model' is not an axis of the mesh" in msgs[0]
     assert "data_axis='data' was given without a mesh" in msgs[1]
     assert "batch size 12 is not divisible by the 8 devices" in msgs[2]
+
+
+def test_param_shardings_errors_name_the_argument():
+    mesh1 = jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    params = {"w": jnp.ones((4, 2)), "b": jnp.zeros(2)}
+    batch = (jnp.ones((8, 4)), jnp.ones((8, 2)))
+
+    def loss(p, b):
+        return jnp.mean((b[0] @ p["w"] + p["b"] - b[1]) ** 2)
+
+    with pytest.raises(ValueError, match="param_shardings was given without a mesh"):
+        jaxaccum.value_and_grad(loss, num_microbatches=2, param_shardings={"w": P()})
+    wrong = jaxaccum.value_and_grad(
+        loss, num_microbatches=2, mesh=mesh1, param_shardings={"w": P()}
+    )
+    with pytest.raises(TypeError, match=r"param_shardings for argument 0 must be a tree"):
+        jax.jit(wrong)(params, batch)
+    right = jaxaccum.value_and_grad(
+        loss, num_microbatches=2, mesh=mesh1, param_shardings={"w": P(), "b": P()}
+    )
+    expected = jax.value_and_grad(loss)(params, batch)
+    np.testing.assert_allclose(jax.jit(right)(params, batch)[0], expected[0], rtol=1e-6)

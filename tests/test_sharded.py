@@ -64,6 +64,11 @@ def rel(grads):
     return max(float(np.max(np.abs(np.asarray(a) - np.asarray(b)))) for a, b in
                zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads))) / scale
 
+def data_groups(mesh, data_axes):  # device counts of every nonempty subset of the data axes
+    import itertools
+    return {int(np.prod([mesh.shape[a] for a in sub])) for r in range(1, len(data_axes) + 1)
+            for sub in itertools.combinations(data_axes, r)}
+
 def same_sharding(tree, specs, mesh):
     return all(a.sharding.is_equivalent_to(NamedSharding(mesh, s), a.ndim)
                for a, s in zip(jax.tree.leaves(tree), jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, P))))
@@ -86,12 +91,14 @@ for name, (shape, names, data_axes, specs) in MESHES.items():
             return loss(p, b)
         plain = jax.jit(jax.value_and_grad(gathered_loss)).lower(params, batch).compile()
         base = {"temp": plain.memory_analysis().temp_size_in_bytes,
-                "reductions": _hlo.gradient_reductions(plain.as_text(), int(np.prod([mesh.shape[a] for a in data_axes])))}
+                "reductions": _hlo.gradient_reductions(plain.as_text(), data_groups(mesh, data_axes))}
         modes = ("step", "microbatch") if name in ("fsdp", "data_fsdp") else ("step",)
         for fsdp in modes:
             for k in (1, 4, 16):
+                # Auto axes under our own jit: tracers carry no sharding, so we name them
                 fn = jax.jit(jaxaccum.value_and_grad(loss, num_microbatches=k, mesh=mesh,
-                                                     data_axis=data_axes, fsdp=fsdp))
+                                                     data_axis=data_axes, fsdp=fsdp,
+                                                     param_shardings=None if explicit else specs))
                 value, grads = fn(params, batch)
                 compiled = fn.lower(params, batch).compile()
                 ma = compiled.memory_analysis()
@@ -99,12 +106,19 @@ for name, (shape, names, data_axes, specs) in MESHES.items():
                     "loss_rel": abs(float(value) - float(ref_loss)) / abs(float(ref_loss)),
                     "grads_rel": rel(grads),
                     "grad_shardings_kept": same_sharding(grads, specs, mesh),
-                    "reductions": _hlo.gradient_reductions(compiled.as_text(), int(np.prod([mesh.shape[a] for a in data_axes]))),
+                    "reductions": _hlo.gradient_reductions(compiled.as_text(), data_groups(mesh, data_axes)),
                     "counts": _hlo.collective_counts(compiled.as_text()),
                     "temp": ma.temp_size_in_bytes,
                     "argument": ma.argument_size_in_bytes,
                     "plain": base,
                 }
+            if not explicit:  # without param_shardings: FSDP leaves gathered, still exact
+                fn = jax.jit(jaxaccum.value_and_grad(loss, num_microbatches=4, mesh=mesh,
+                                                     data_axis=data_axes, fsdp=fsdp))
+                value, grads = fn(params, batch)
+                out[f"{name}/{axis_type}/{fsdp}/unnamed"] = {
+                    "loss_rel": abs(float(value) - float(ref_loss)) / abs(float(ref_loss)),
+                    "grads_rel": rel(grads)}
             opt = optax.adam(1e-2)
             step = jaxaccum.train_step(loss, opt, num_microbatches=4, mesh=mesh,
                                        data_axis=data_axes, fsdp=fsdp)
@@ -123,7 +137,7 @@ for name, (shape, names, data_axes, specs) in MESHES.items():
                 "params_kept": same_sharding(p, specs, mesh),
                 "state_kept": same_sharding(state, state_specs, mesh),
                 "temp": train_hlo.memory_analysis().temp_size_in_bytes,
-                "reductions": _hlo.gradient_reductions(train_hlo.as_text(), int(np.prod([mesh.shape[a] for a in data_axes]))),
+                "reductions": _hlo.gradient_reductions(train_hlo.as_text(), data_groups(mesh, data_axes)),
                 "params_rel": max(float(np.max(np.abs(np.asarray(p[k]) - np.asarray(ref_p[k])))) for k in p)
                 / max(float(np.max(np.abs(np.asarray(v)))) for v in ref_p.values()),
             }
@@ -156,12 +170,10 @@ def test_equals_single_device_full_batch(results, mesh, axis_type, fsdp, k):
     r = results[f"{mesh}/{axis_type}/{fsdp}/{k}"]
     assert r["loss_rel"] <= 1e-5
     assert r["grads_rel"] <= 1e-5
-    if axis_type == "auto" and "fsdp" in mesh:
-        # Under the caller's own jit an Auto-mode tracer carries no sharding, so FSDP leaves
-        # are taken as replicated over the data axes (correct, gathered); train_step reads
-        # the shardings before tracing (test_train_step_keeps_shardings).
-        return
     assert r["grad_shardings_kept"]
+    if axis_type == "auto":
+        unnamed = results[f"{mesh}/{axis_type}/{fsdp}/unnamed"]
+        assert unnamed["loss_rel"] <= 1e-5 and unnamed["grads_rel"] <= 1e-5
 
 
 @pytest.mark.parametrize("mesh,axis_type,fsdp", CASES)
@@ -171,27 +183,7 @@ def test_train_step_keeps_shardings(results, mesh, axis_type, fsdp):
     assert r["params_rel"] <= 1e-5  # 3 Adam steps, k=4, vs the single-device full batch
 
 
-KNOWN_GAPS = {  # strict xfails: each must start failing the day it is fixed, then be removed
-    "auto/microbatch": "ZeRO-3 needs the leaf's data sharding, which an Auto-mode tracer under "
-    "the caller's jit does not carry (train_step has it; not yet measured here)",
-}
-
-
-def gap(mesh, axis_type, fsdp):
-    if axis_type == "auto" and fsdp == "microbatch":
-        return KNOWN_GAPS["auto/microbatch"]
-    return None
-
-
-@pytest.mark.parametrize(
-    "mesh,axis_type,fsdp",
-    [
-        pytest.param(*c, marks=pytest.mark.xfail(strict=True, reason=gap(*c)))
-        if gap(*c)
-        else c
-        for c in CASES
-    ],
-)
+@pytest.mark.parametrize("mesh,axis_type,fsdp", CASES)
 def test_one_gradient_reduction_per_step(results, mesh, axis_type, fsdp):
     """Gradient-sized reductions over the data axes: as many for k = 4, 16 as for k = 1."""
     base = results[f"{mesh}/{axis_type}/{fsdp}/1"]["reductions"]
