@@ -27,10 +27,11 @@ Models: the dropout MLP (784-512-512-10, ReLU, keep 0.8 after each hidden layer,
 batch 256) and the transformer LM of ``models.py`` with residual dropout (keep 0.9 after the
 attention and the MLP of each layer; batch 32). Ways: ``jaxaccum.train_step`` with k = 8 (``--ks``),
 and the full batch. Each PRNG implementation (threefry2x32, rbg, unsafe_rbg, set with
-``jax_default_prng_impl``) runs in its own process. Writes benchmarks/results/dropout.json.
+``jax_default_prng_impl``) runs in its own process. Writes benchmarks/results/dropout.json
+(``--out``).
 
     python benchmarks/dropout.py              # ~6 min on 2 cores
-    python benchmarks/dropout.py --rounds 3 --impls threefry2x32
+    python benchmarks/dropout.py --rounds 9 --impls threefry2x32 --out dropout_threefry_r9
 """
 
 from __future__ import annotations
@@ -327,6 +328,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--ks", nargs="+", type=int, default=[8])
     parser.add_argument("--child", choices=IMPLS)
+    parser.add_argument("--out", default="dropout", help="results/OUT.json")
     args = parser.parse_args()
     if args.child:
         print(json.dumps(child(args.child, args.rounds, args.ks)))
@@ -351,7 +353,7 @@ def main() -> None:
             text=True,
         )
         results["by_impl"][impl] = json.loads(proc.stdout)
-    path = save("dropout", results)
+    path = save(args.out, results)
     print(f"wrote {path}")
     del result_path
 
