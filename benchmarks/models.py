@@ -34,6 +34,7 @@ prototype in this file (named ``proposed`` there).
     python benchmarks/models.py --families cnn --rounds 12 --out models_cnn_r12   # a repeat
     python benchmarks/models.py loops           # ~15 min: results/models_loops.json
     python benchmarks/models.py compile         # ~3 min: train_step compile times, k=2..64
+    python benchmarks/models.py memory          # ~1 min: temp bytes behind the memory findings
     python benchmarks/models.py report          # the tables of the saved results
 """
 
@@ -901,6 +902,56 @@ def train_step_compile(args: argparse.Namespace) -> None:
     print(f"wrote {save('models_compile', out)}")
 
 
+def memory_probe(args: argparse.Namespace) -> None:
+    """Temp bytes behind the memory findings (compile only, ~1 min): the gist MLP's and the
+    CNN's ``value_and_grad`` per k with the micro-batches gathered in the loop (the library),
+    split contiguously or by swapaxes before it; the transformer's ``train_step`` at k = 8 with
+    and without donation, with its zero-weight skip as the library's ``lax.cond`` (f62b962) or
+    as the select it replaced. Writes results/models_memory.json."""
+    from jaxaccum import _reductions
+
+    out: dict[str, Any] = {"machine": machine(), "value_and_grad": {}, "transformer_skip": {}}
+    cases = {
+        "mlp": (mlp_loss, GIST.params(), GIST.data()),
+        "cnn": (cnn_loss, cnn_params(jax.random.key(0)), cnn_data(256)),
+    }
+    for model, (loss, params, batch) in cases.items():
+        rows: dict[str, Any] = {
+            "param_bytes": sum(x.nbytes for x in jax.tree.leaves(params)),
+            "full_temp_bytes": compile_timed(jax.jit(jax.value_and_grad(loss)), params, batch)[2],
+        }
+        for split in ("gather", "contiguous", "swapaxes"):
+            for k in (1, 2, 4, 8, 16, 32, 64):
+                fn = jax.jit(jaxaccum.value_and_grad(loss, num_microbatches=k))
+                with variant(split=split):
+                    rows.setdefault(split, {})[k] = compile_timed(fn, params, batch)[2]
+            print(f"temp {model} {split:10s} {rows[split]}", flush=True)
+        out["value_and_grad"][model] = rows
+    fam = families(quick=False, lm_batch=args.lm_batch)["transformer"]
+    library = _reductions.step_unless_empty
+
+    def select(total: Any, step: Any, old: Any) -> Any:
+        return _reductions.unless_empty(total, old, step(old))
+
+    for name, skip in (("lax.cond (f62b962)", library), ("select (before f62b962)", select)):
+        _reductions.step_unless_empty = skip
+        try:
+            for donate in (True, False):
+                params = _copy(fam.params)
+                state = fam.optimizer.init(params)
+                program = TrainStep(fam, 8).program(donate=donate)
+                ma = program.lower(params, state, fam.batch).compile().memory_analysis()
+                key = "donated" if donate else "not donated"
+                out["transformer_skip"].setdefault(name, {})[key] = {
+                    "temp_bytes": ma.temp_size_in_bytes,
+                    "output_bytes": ma.output_size_in_bytes,
+                }
+        finally:
+            _reductions.step_unless_empty = library
+        print(f"transformer k=8 {name}: {out['transformer_skip'][name]}", flush=True)
+    print(f"wrote {save('models_memory', out)}")
+
+
 def loop_study(args: argparse.Namespace) -> None:
     ks = [k for k in args.ks if not args.quick or k in (1, 8, 64)]
     cnn_rounds = args.rounds or (2 if args.quick else 4)
@@ -1156,7 +1207,7 @@ def main() -> None:
         "what",
         nargs="?",
         default="families",
-        choices=("families", "loops", "compile", "report"),
+        choices=("families", "loops", "compile", "memory", "report"),
     )
     parser.add_argument(
         "--families", nargs="+", default=["mlp", "cnn", "transformer", "transformer_bf16"]
@@ -1175,6 +1226,8 @@ def main() -> None:
         loop_study(args)
     elif args.what == "compile":
         train_step_compile(args)
+    elif args.what == "memory":
+        memory_probe(args)
     elif args.what == "report":
         report(args)
     else:
