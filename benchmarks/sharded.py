@@ -213,7 +213,7 @@ def _kind(axes: tuple[str, ...] | None, data_axes: tuple[str, ...]) -> str:
 def collectives(hlo: str, mesh: jax.sharding.Mesh, data_axes: tuple[str, ...]) -> dict:
     """``_hlo.collectives`` plus the kind of axes each op runs over; loop facts."""
     rows = _hlo.collectives(hlo)
-    comps = _hlo._computations(hlo)
+    comps = _hlo.computations(hlo)
     in_loop = _hlo._loop_computations(comps)
     kinds = []
     for name, lines in comps.items():  # the same walk as _hlo.collectives, in the same order
