@@ -178,22 +178,47 @@ def jaxaccum_mlp(params, x):
     return mlp_apply(params, x)
 
 
+@pytest.mark.parametrize("donate", [False, True])
 @pytest.mark.parametrize("skip_nonfinite", [False, True])
-def test_zero_total_weight_takes_no_optimizer_step(skip_nonfinite):
+def test_zero_total_weight_takes_no_optimizer_step(skip_nonfinite, donate):
     """All weights 0: neither params nor Adam's count and moments move (as in multi_steps)."""
     optimizer = optax.adam(1e-2)
     step = jaxaccum.train_step(
-        masked_mse, optimizer, num_microbatches=4, weighted=True, donate=False,
+        masked_mse, optimizer, num_microbatches=4, weighted=True, donate=donate,
         skip_nonfinite=skip_nonfinite,
     )
     params = copy(PARAMS)
     state = optimizer.init(params)
     params, state, _, _ = step(params, state, (*BATCHES[0], jnp.ones(64)))  # one real step
+    before = jax.tree.map(np.asarray, (params, state))
     new_params, new_state, loss, _ = step(params, state, (*BATCHES[1], jnp.zeros(64)))
     assert float(loss) == 0.0
-    assert max_rel_diff(new_params, params) == 0.0
-    assert max_rel_diff(new_state, state) == 0.0
+    assert max_rel_diff(new_params, before[0]) == 0.0
+    assert max_rel_diff(new_state, before[1]) == 0.0
     assert int(new_state[0].count) == 1
+
+
+@pytest.mark.parametrize("donate", [True, False])
+def test_zero_weight_skip_costs_no_memory(donate):
+    """The rule that skips a zero-weight step adds no parameter-sized temp buffer: a cond when
+    params and state are donated (a select would hold old and new), a select when they are not
+    (a cond's results would need buffers of their own). Compared with the unweighted step,
+    which has no skip at all."""
+    sizes = (64, 256, 256, 8)  # parameters (~0.4 MB) outweigh a micro-batch's activations
+    params = mlp_params(jax.random.key(3), sizes)
+    batch = random_batch(jax.random.key(4), 64, sizes)
+    optimizer = optax.adam(1e-3)
+
+    def weighted(p, b):
+        return mse_loss(p, b), jnp.float32(b[0].shape[0])
+
+    temps = {}
+    for name, fn, w in (("weighted", weighted, True), ("unweighted", mse_loss, False)):
+        step = jaxaccum.train_step(fn, optimizer, num_microbatches=8, weighted=w, donate=donate)
+        compiled = step.lower(params, optimizer.init(params), batch).compile()
+        temps[name] = compiled.memory_analysis().temp_size_in_bytes
+    param_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
+    assert temps["weighted"] <= temps["unweighted"] + param_bytes // 100, (temps, param_bytes)
 
 
 def test_python_float_leaf_in_params():
