@@ -906,8 +906,9 @@ def memory_probe(args: argparse.Namespace) -> None:
     """Temp bytes behind the memory findings (compile only, ~1 min): the gist MLP's and the
     CNN's ``value_and_grad`` per k with the micro-batches gathered in the loop (the library),
     split contiguously or by swapaxes before it; the transformer's ``train_step`` at k = 8 with
-    and without donation, with its zero-weight skip as the library's ``lax.cond`` (f62b962) or
-    as the select it replaced. Writes results/models_memory.json."""
+    and without donation, with its zero-weight skip as the library makes it (since f5b5746 a
+    ``lax.cond`` when params and state are donated, a select otherwise) or always as a select
+    (before f62b962). Writes results/models_memory.json."""
     from jaxaccum import _reductions
 
     out: dict[str, Any] = {"machine": machine(), "value_and_grad": {}, "transformer_skip": {}}
@@ -933,7 +934,7 @@ def memory_probe(args: argparse.Namespace) -> None:
     def select(total: Any, step: Any, old: Any) -> Any:
         return _reductions.unless_empty(total, old, step(old))
 
-    for name, skip in (("lax.cond (f62b962)", library), ("select (before f62b962)", select)):
+    for name, skip in (("library (f5b5746)", library), ("select always (before f62b962)", select)):
         _reductions.step_unless_empty = skip
         try:
             for donate in (True, False):
