@@ -436,7 +436,11 @@ def _cast_to_reduced(x: jax.Array, which: bool | str) -> bool:
 
 
 def _is_sharding_type_error(error: Exception) -> bool:
-    return type(error).__name__ == "ShardingTypeError"  # not public in jax
+    """JAX refused a reduced/unreduced type: ShardingTypeError (not public in jax), or a
+    primitive with no rule for them yet (jax 0.10: ``conv_general_dilated``)."""
+    if type(error).__name__ == "ShardingTypeError":
+        return True
+    return isinstance(error, NotImplementedError) and "unreduced/reduced rule" in str(error)
 
 
 def _reduced(x: Any) -> bool:
