@@ -9,7 +9,9 @@ by the mesh's axis types (both measured in ``benchmarks/sharded.py``):
   leaf replicated over them; one all-gather per step for an FSDP leaf sharded over them), so
   every micro-batch's gradient comes out ``unreduced``: per-device partial sums that the scan
   adds without communication. After the scan one reshard to the leaf's own sharding performs
-  the step's only gradient reduction (an all-reduce, or a reduce-scatter for an FSDP leaf).
+  the step's only gradient reduction: an all-reduce, or for an FSDP leaf a ``psum_scatter``
+  in a ``shard_map`` over the data axes (XLA lowers a reshard to a data-sharded spec as an
+  all-reduce and a slice; the shard_map gives a reduce-scatter).
   Models written for Explicit axes (``out_sharding=``) work unchanged. JAX rejects an
   elementwise op between a reduced parameter and a batch-sharded activation (a bias add, a
   LayerNorm scale); :func:`reduced_compatible` re-evaluates the model so that the parameter is
@@ -291,12 +293,36 @@ class DataParallel:
         )
         scanned = _accumulate.scan_microbatches(inner_cfg, cast_args, k, sums, batches)
         sums = scanned.sums
-        grads = jax.tree.map(lambda g, s: self._reshard(g, s), sums.grads, specs)  # the reduction
+        grads = jax.tree.map(self._reduce_once, sums.grads, specs, per_microbatch, reduced)
         mean_loss, grads = _accumulate.finalize(cfg, sums._replace(grads=grads), args, loss)
         aux = _accumulate.finish_aux(cfg, scanned, sums.weight, k)
         return _accumulate.Accumulated(
             mean_loss, grads, aux, sums.weight, sums.skipped, k, sums.carry
         )
+
+    def _reduce_once(self, g: jax.Array, spec: P, per_microbatch: bool, reduced: bool) -> Any:
+        """The step's one reduction of an accumulated gradient, to the leaf's own sharding.
+
+        A reshard from unreduced does it, but XLA lowers a reshard to a data-sharded (FSDP)
+        spec as an all-reduce and a slice; a ``psum_scatter`` in a ``shard_map`` manual over
+        the data axes is a reduce-scatter (1/n of the traffic per device)."""
+        if per_microbatch or not reduced or not self.sharded_over_data(spec, g.ndim):
+            return self._reshard(g, spec)
+        data_spec = self.data_part(spec, g.ndim)
+
+        def scatter(x: jax.Array) -> jax.Array:
+            for dim, entry in enumerate(data_spec):
+                if entry is not None:
+                    x = jax.lax.psum_scatter(x, entry, scatter_dimension=dim, tiled=True)
+            return self._psum_rest(x, data_spec)
+
+        out = jax.shard_map(
+            scatter,
+            in_specs=P(*([None] * g.ndim), unreduced=set(self.axes)),
+            out_specs=data_spec,
+            axis_names=set(self.axes),
+        )(g)
+        return self._reshard(out, spec)
 
     def _explicit_args(
         self, cfg: _accumulate.Config, args: tuple[Any, ...], diff: Any, specs: Any, reduced: Any

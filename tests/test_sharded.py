@@ -470,3 +470,15 @@ def test_explicit_parameters_mixed_with_activations():
     assert out["top_level"]["reductions"]["in loops"] == 0, out
     assert out["top_level"]["reductions"]["total"] >= 1, out
     assert out["scanned"]["reductions"]["in loops"] >= 1, out  # the documented fallback
+
+
+@pytest.mark.parametrize("mesh", ["fsdp", "data_fsdp"])
+@pytest.mark.parametrize("axis_type", ["auto", "explicit"])
+def test_fsdp_gradients_are_reduce_scattered(results, mesh, axis_type):
+    """A kernel sharded over a data axis gets its gradient by a reduce-scatter (each device
+    receives only its shard), not an all-reduce of the whole gradient and a slice."""
+    r = results[f"{mesh}/{axis_type}/step/4"]
+    replicated = results[f"data/{axis_type}/step/4"]["reductions"]["bytes"]
+    assert r["counts"]["reduce-scatter"] >= 2, r["counts"]  # w1 and w2
+    # HSDP (data x fsdp): a reduce-scatter over fsdp, then an all-reduce of the shard over data
+    assert r["reductions"]["bytes"] <= replicated / 2, (r["reductions"], replicated)
