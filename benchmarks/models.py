@@ -931,7 +931,7 @@ def memory_probe(args: argparse.Namespace) -> None:
     fam = families(quick=False, lm_batch=args.lm_batch)["transformer"]
     library = _reductions.step_unless_empty
 
-    def select(total: Any, step: Any, old: Any) -> Any:
+    def select(total: Any, step: Any, old: Any, *, donated: bool) -> Any:
         return _reductions.unless_empty(total, old, step(old))
 
     for name, skip in (("library (f5b5746)", library), ("select always (before f62b962)", select)):

@@ -97,16 +97,6 @@ def add_weight(total: jax.Array, weight: jax.Array) -> jax.Array:
     return (total + valid_weight(weight).astype(total.dtype)).astype(total.dtype)
 
 
-def step_unless_empty(total: jax.Array, step: Callable[[Any], Any], old: Any) -> Any:
-    """``step(old)``, or ``old`` itself where the total weight is 0 (no step at all).
-
-    The rule of :func:`unless_empty` as a ``lax.cond``: with donated inputs, a select between
-    the old and the new state would keep both alive (one more parameter- and optimizer-state-
-    sized buffer); a conditional computes only the branch taken. A NaN total steps.
-    """
-    return jax.lax.cond(total != 0, step, lambda o: o, old)
-
-
 def unless_empty(total: jax.Array, old: Any, new: Any) -> Any:
     """``new``, or ``old`` where the total weight is 0 (nothing to learn from: no step at all).
 
@@ -115,6 +105,22 @@ def unless_empty(total: jax.Array, old: Any, new: Any) -> Any:
     """
     stepped = total != 0
     return jax.tree.map(lambda o, n: jnp.where(stepped, n, o), old, new)
+
+
+def step_unless_empty(
+    total: jax.Array, step: Callable[[Any], Any], old: Any, *, donated: bool
+) -> Any:
+    """``step(old)``, or ``old`` where the total weight is 0: :func:`unless_empty`'s rule.
+
+    With donated inputs it is a ``lax.cond``: a select between the old and the new state would
+    keep both alive (one more parameter- and optimizer-state-sized buffer), a conditional
+    computes only the branch taken. Without donation it is the select: the new state is
+    written straight to the outputs, while a conditional's results would need buffers of
+    their own.
+    """
+    if donated:
+        return jax.lax.cond(total != 0, step, lambda o: o, old)
+    return unless_empty(total, old, step(old))
 
 
 def skip_if_nonfinite(weight: jax.Array, finite: jax.Array) -> tuple[jax.Array, jax.Array]:

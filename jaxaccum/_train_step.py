@@ -30,24 +30,18 @@ def apply_step(
     may_be_empty: bool,
     donated: bool = True,
 ) -> tuple[optax.Params, optax.OptState]:
-    """One optimizer update; with zero total weight, params and state come back unchanged.
-
-    With donated params and state a ``lax.cond`` skips the update (a select would keep the old
-    and the new state alive together); without donation a select costs nothing (the new state
-    is written to the outputs) while a cond's results would need buffers of their own.
-    """
+    """One optimizer update; with zero total weight, params and state come back unchanged."""
 
     def update(state: tuple[optax.Params, optax.OptState]) -> tuple[optax.Params, optax.OptState]:
         params, opt_state = state
         updates, new_state = optimizer.update(out.grads, opt_state, params)
         return optax.apply_updates(params, updates), new_state
 
-    if may_be_empty and donated:  # all weights 0, or all skipped
-        return _reductions.step_unless_empty(out.weight, update, (params, opt_state))  # type: ignore[no-any-return]
-    if may_be_empty:
-        new = update((params, opt_state))
-        return _reductions.unless_empty(out.weight, (params, opt_state), new)  # type: ignore[no-any-return]
-    return update((params, opt_state))
+    if not may_be_empty:  # no weights, no skipping: every step has a nonzero total
+        return update((params, opt_state))
+    return _reductions.step_unless_empty(  # type: ignore[no-any-return]
+        out.weight, update, (params, opt_state), donated=donated
+    )
 
 
 class TrainStep:
