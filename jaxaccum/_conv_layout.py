@@ -100,10 +100,8 @@ def _eval(jaxpr: Any, consts: Any, *args: Any) -> list[Any]:
 
 def rewrite_jaxpr(fun: Callable[..., Any], *args: Any) -> Any:
     """``fun(*args)`` computed with every convolution in canonical form, on any platform."""
-    call, xs = _jaxpr.with_array_arguments(fun, args)
-    closed, shape = jax.make_jaxpr(call, return_shape=True)(*xs)
-    out = _eval(closed.jaxpr, closed.consts, *xs)
-    return jax.tree.unflatten(jax.tree.structure(shape), out)
+    traced = _jaxpr.trace(fun, args)
+    return traced.evaluate(*traced.arrays, rule=_rule, inline=_inline)
 
 
 def canonical_convs(fun: Callable[..., Any]) -> Callable[..., Any]:
@@ -117,15 +115,13 @@ def canonical_convs(fun: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(fun)
     def wrapped(*args: Any) -> Any:
-        call, xs = _jaxpr.with_array_arguments(fun, args)
-        closed, shape = jax.make_jaxpr(call, return_shape=True)(*xs)
-        if not has_noncanonical_conv(closed):
+        traced = _jaxpr.trace(fun, args)
+        if not has_noncanonical_conv(traced.closed):
             return fun(*args)
-        out_tree = jax.tree.structure(shape)
 
         def rewritten(*xs: Any) -> Any:
-            return jax.tree.unflatten(out_tree, _eval(closed.jaxpr, closed.consts, *xs))
+            return traced.evaluate(*xs, rule=_rule, inline=_inline)
 
-        return jax.lax.platform_dependent(*xs, cpu=rewritten, default=call)
+        return jax.lax.platform_dependent(*traced.arrays, cpu=rewritten, default=traced.call)
 
     return wrapped

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -70,10 +70,32 @@ def evaluate(
     return [read(v) for v in jaxpr.outvars]
 
 
-def with_array_arguments(
-    fun: Callable[..., Any], args: tuple[Any, ...]
-) -> tuple[Callable[..., Any], list[Any]]:
-    """``fun`` as a function of the array leaves of ``args`` (every other leaf closed over)."""
+class Traced(NamedTuple):
+    """A function traced on the array leaves of its arguments (every other leaf closed over).
+
+    Attributes:
+      closed: the closed jaxpr.
+      out_tree: the structure of the function's output.
+      arrays: the array leaves of the arguments, in the order of the jaxpr's inputs.
+      call: the function of those array leaves, as written.
+    """
+
+    closed: Any
+    out_tree: Any
+    arrays: list[Any]
+    call: Callable[..., Any]
+
+    def evaluate(self, *arrays: Any, rule: Rule, inline: Callable[[Any], bool]) -> Any:
+        """The function's output for ``arrays``, with ``rule`` applied (see :func:`evaluate`)."""
+        out = evaluate(self.closed.jaxpr, self.closed.consts, *arrays, rule=rule, inline=inline)
+        return jax.tree.unflatten(self.out_tree, out)
+
+
+def trace(
+    fun: Callable[..., Any], args: tuple[Any, ...], as_type: Callable[[Any], Any] | None = None
+) -> Traced:
+    """Traces ``fun(*args)`` as a function of the array leaves of ``args``; ``as_type`` maps
+    each array to the type it is traced with (default: its own)."""
     leaves, tree = jax.tree.flatten(args)
     dynamic = [i for i, x in enumerate(leaves) if isinstance(x, (jax.Array, np.ndarray))]
 
@@ -83,4 +105,7 @@ def with_array_arguments(
             full[i] = x
         return fun(*jax.tree.unflatten(tree, full))
 
-    return call, [leaves[i] for i in dynamic]
+    arrays = [leaves[i] for i in dynamic]
+    types = arrays if as_type is None else [as_type(x) for x in arrays]
+    closed, shape = jax.make_jaxpr(call, return_shape=True)(*types)
+    return Traced(closed, jax.tree.structure(shape), arrays, call)

@@ -529,12 +529,8 @@ def reduced_compatible(fun: Any) -> Any:
     plain (replicated) types, then re-evaluated on the reduced arguments."""
 
     def wrapped(*args: Any) -> Any:
-        call, xs = _jaxpr.with_array_arguments(fun, args)
-        closed, shape = jax.make_jaxpr(call, return_shape=True)(*map(_without_reduced, xs))
-        out = _jaxpr.evaluate(
-            closed.jaxpr, closed.consts, *xs, rule=_resolve_reduced, inline=lambda eqn: True
-        )
-        return jax.tree.unflatten(jax.tree.structure(shape), out)
+        traced = _jaxpr.trace(fun, args, as_type=_without_reduced)
+        return traced.evaluate(*traced.arrays, rule=_resolve_reduced, inline=lambda eqn: True)
 
     return wrapped
 
