@@ -193,6 +193,14 @@ class DataParallel:
         rest = tuple(a for a in self.axes if all(a not in _names(e) for e in spec))
         return jax.lax.psum(g, rest) if rest else g
 
+    def _reduce_local(self, g: jax.Array, spec: P) -> jax.Array:
+        """Inside a ``shard_map`` manual over the data axes: a per-device partial gradient
+        summed over them, each dimension the (data-part) ``spec`` shards reduce-scattered."""
+        for dim, entry in enumerate(spec):
+            if entry is not None:
+                g = jax.lax.psum_scatter(g, entry, scatter_dimension=dim, tiled=True)
+        return self._psum_rest(g, spec)
+
     def _reshard(self, x: Any, spec: P) -> Any:
         return jax.reshard(x, NamedSharding(self.mesh, spec))
 
@@ -309,15 +317,8 @@ class DataParallel:
         if per_microbatch or not reduced or not self.sharded_over_data(spec, g.ndim):
             return self._reshard(g, spec)
         data_spec = self.data_part(spec, g.ndim)
-
-        def scatter(x: jax.Array) -> jax.Array:
-            for dim, entry in enumerate(data_spec):
-                if entry is not None:
-                    x = jax.lax.psum_scatter(x, entry, scatter_dimension=dim, tiled=True)
-            return self._psum_rest(x, data_spec)
-
         out = jax.shard_map(
-            scatter,
+            functools.partial(self._reduce_local, spec=data_spec),
             in_specs=P(*([None] * g.ndim), unreduced=set(self.axes)),
             out_specs=data_spec,
             axis_names=set(self.axes),
@@ -383,12 +384,6 @@ class DataParallel:
                     x = jax.lax.all_gather(x, entry, axis=dim, tiled=True)
             return x
 
-        def scatter(g: jax.Array, spec: P) -> jax.Array:
-            for dim, entry in enumerate(spec):
-                if entry is not None:
-                    g = jax.lax.psum_scatter(g, entry, scatter_dimension=dim, tiled=True)
-            return self._psum_rest(g, spec)
-
         def gather_tree(tree: Any, spec_tree: Any) -> Any:
             return jax.tree.map(gather, tree, spec_tree, is_leaf=lambda s: isinstance(s, P))
 
@@ -435,7 +430,7 @@ class DataParallel:
                     lambda g, s: self._psum_rest(g, s), sums.grads, diff_specs, is_leaf=is_spec
                 )
             else:
-                grads = jax.tree.map(scatter, sums.grads, diff_specs, is_leaf=is_spec)
+                grads = jax.tree.map(self._reduce_local, sums.grads, diff_specs, is_leaf=is_spec)
             totals = jax.lax.psum((sums.loss, sums.weight, sums.skipped), self.axes)
             sums = _accumulate.Sums(totals[0], grads, totals[1], totals[2])
             mean_loss, grads = _accumulate.finalize(cfg, sums, local_args, loss)
