@@ -4,7 +4,6 @@ The Flax front ends are submodules, imported on their own: ``jaxaccum.nnx`` (nee
 ``jaxaccum.linen`` (duck-typed, for ``flax.training.train_state.TrainState``).
 """
 
-from jaxaccum._accumulate import value_and_grad
 from jaxaccum._keys import per_example_keys
 from jaxaccum._multi_steps import (
     MultiStepsState,
@@ -12,14 +11,19 @@ from jaxaccum._multi_steps import (
     has_updated,
     multi_steps,
 )
+from jaxaccum._options import DataParallel, Options
 from jaxaccum._plan import MemoryEstimate, MicrobatchPlan, plan_microbatches
-from jaxaccum._train_step import TrainStep, train_step
+from jaxaccum._train_step import StepInfo, TrainStep, train_step
+from jaxaccum._value_and_grad import value_and_grad
 
 __all__ = [
+    "DataParallel",
     "MemoryEstimate",
     "MicrobatchPlan",
     "MultiStepsState",
     "MultiStepsTransformation",
+    "Options",
+    "StepInfo",
     "TrainStep",
     "has_updated",
     "multi_steps",

@@ -28,7 +28,10 @@ class MultiStepsState(NamedTuple):
       gradient_step: int32 scalar, how many optimizer steps (inner updates) have been made.
       inner_opt_state: the inner optimizer's state; it changes only on calls that make an
         optimizer step, and keeps the dtypes ``inner.init`` gave it.
-      acc_grads: the weighted sum of the window's gradients, in the accumulator dtype.
+      acc_grads: the window's gradients so far as a weighted **sum**, ``sum_i w_i * g_i``, in
+        the accumulator dtype (zeros after an emitting call). Unlike ``optax.MultiSteps``,
+        whose ``acc_grads`` is the running mean: the mean here is
+        ``acc_grads / acc_weight``, computed once when the window ends.
       skip_state: what ``should_skip_update_fn`` returned last as its second output (``()``
         without one), as in ``optax.MultiSteps``.
       acc_weight: float32 scalar, the sum of the window's weights.
@@ -170,8 +173,9 @@ def multi_steps(
 
     Replacing ``optax.MultiSteps(opt, every_k_schedule=k, ...)`` by
     ``jaxaccum.multi_steps(opt, every_k_schedule=k, ...)`` is the whole migration: the state
-    fields ``mini_step``, ``gradient_step``, ``inner_opt_state``, ``acc_grads`` and
-    ``skip_state`` mean what they mean in optax, the keywords are optax's, and the result has
+    fields ``mini_step``, ``gradient_step``, ``inner_opt_state`` and ``skip_state`` mean what
+    they mean in optax (``acc_grads`` holds the weighted sum, not optax's running mean; see
+    :class:`MultiStepsState`), the keywords are optax's, and the result has
     ``has_updated(state)`` and ``gradient_transformation()``. Differences, each deliberate:
 
     - ``inner.update`` runs only on emitting calls (optax runs it on every call and keeps the
@@ -192,6 +196,14 @@ def multi_steps(
     - The accumulator is never narrower than a parameter leaf (optax casts to
       ``accumulator_dtype`` even if narrower); ``every_k`` values below 1 count as 1.
     - No ``inner_opt`` attribute; the optax keywords are keyword-only.
+    - With an inner ``optax.apply_if_finite`` and a non-finite micro-batch (without
+      ``skip_nonfinite``): here the window's mean is NaN, ``apply_if_finite`` skips that one
+      step, and the next window starts from zeros and steps normally. In
+      ``optax.MultiSteps`` the NaN stays in its accumulator after the window ends (it is
+      reset by multiplication), so every later window is NaN and skipped too, until
+      ``max_consecutive_errors`` lets a NaN update through (measured with optax 0.2.8: after
+      one NaN micro-batch at every_k=2, no later window stepped). Prefer
+      ``skip_nonfinite=True``, which drops only the bad micro-batch and keeps the rest.
 
     As in optax, the inner optimizer's step count (and so its schedules) advance once per
     optimizer step, and its state keeps the dtypes ``inner.init`` gave it (an update that would

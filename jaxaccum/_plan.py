@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import contextlib
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
 import optax
 
-from jaxaccum import _accumulate, _train_step, _validation
+from jaxaccum import _options, _train_step, _validation, _value_and_grad
 
 
 class MemoryEstimate(NamedTuple):
@@ -113,13 +113,14 @@ def plan_microbatches(
       optimizer: when given, plan the whole :func:`jaxaccum.train_step` (gradient, optimizer
         update, donated params and state) instead of the gradient alone.
       candidates: the k to try, instead of all divisors of the batch size.
-      fsdp: with a ``mesh`` whose parameters are sharded over the data axes: one option
-        (``"step"`` or ``"microbatch"``, see :func:`jaxaccum.value_and_grad`), or a sequence
+      fsdp: with ``mesh=jaxaccum.DataParallel(...)`` whose parameters are sharded over the data
+        axes: one option (``"step"`` or ``"microbatch"``, see :class:`jaxaccum.DataParallel`),
+        or a sequence
         of them in order of preference, to plan the option along with k: for each k, smallest
         first, the options are tried in the order given and the first that fits is chosen
         (``("step", "microbatch")`` prefers the option with k times less traffic).
-      **kwargs: passed on to :func:`jaxaccum.value_and_grad` (``has_aux``, ``weighted``,
-        ``remat``, ``accumulator_dtype``, ``mesh``, ``data_axis``).
+      **kwargs: the other accumulation options (:class:`jaxaccum.Options`): ``has_aux``,
+        ``weighted``, ``accumulator_dtype``, ``mesh``.
 
     Returns:
       A :class:`MicrobatchPlan`: the chosen k and the estimate per candidate compiled.
@@ -150,22 +151,26 @@ def plan_microbatches(
     options: list[str | None] = (
         list(fsdp) if fsdp is not None and not isinstance(fsdp, str) else [fsdp]
     )
-    mesh = kwargs.get("mesh")
-    explicit = mesh is not None and any(
-        t == jax.sharding.AxisType.Explicit for t in mesh.axis_types
-    )
+    dp = _options.parse("jaxaccum.plan_microbatches", {"num_microbatches": 1, **kwargs}
+                        ).data_parallel
+    if fsdp is not None and dp is None:
+        raise ValueError(
+            f"jaxaccum.plan_microbatches: fsdp={fsdp!r} needs mesh=jaxaccum.DataParallel(...)"
+        )
     estimates: dict[Any, MemoryEstimate] = {}
     for k in ks:
         for option in options:
-            extra: dict[str, Any] = {} if option is None else {"fsdp": option}
-            with jax.set_mesh(mesh) if explicit else contextlib.nullcontext():
+            extra = dict(kwargs)
+            if option is not None and dp is not None:
+                extra["mesh"] = dataclasses.replace(dp, fsdp=option)
+            opts = _options.parse("jaxaccum.plan_microbatches",
+                                  {"num_microbatches": k, **extra})
+            with _train_step.mesh_context(opts):
                 if optimizer is None:
-                    fn = _accumulate.value_and_grad(fun, num_microbatches=k, **extra, **kwargs)
+                    fn = _value_and_grad.value_and_grad(fun, num_microbatches=k, **extra)
                     lowered = jax.jit(fn).lower(params, batch, *rest)
                 else:
-                    train = _train_step.train_step(
-                        fun, optimizer, num_microbatches=k, **extra, **kwargs
-                    )
+                    train = _train_step.train_step(fun, optimizer, num_microbatches=k, **extra)
                     lowered = train.lower(params, opt_state, batch, *rest)
                 estimate = memory_estimate(lowered.compile(), k)
             estimates[(k, option) if several else k] = estimate

@@ -14,7 +14,7 @@ invalid weight the same way:
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -136,34 +136,26 @@ def skip_if_nonfinite(weight: jax.Array, finite: jax.Array) -> tuple[jax.Array, 
 
 # --- aux values across micro-batches ------------------------------------------------------------
 
-AUX_REDUCTIONS = ("stack", "sum", "mean", "weighted_mean", "max", "min", "last")
 
+class AuxReduction(NamedTuple):
+    """How one aux leaf is combined across micro-batches (one record per name).
 
-def aux_plan(aux_reduce: Any, aux: Any) -> list[str]:
-    """One reduction name per leaf of ``aux`` (flattened), from a prefix tree of names.
-
-    ``aux_reduce`` is a name from :data:`AUX_REDUCTIONS` for every leaf, or a pytree prefix
-    of ``aux`` whose leaves are names (e.g. ``{"tokens": "sum", "logits": "stack"}``).
+    Attributes:
+      stacked: the scan stacks the leaf (a new leading axis of length k) instead of carrying
+        an accumulator.
+      init: ``(shape, dtype) -> accumulator`` before the first micro-batch.
+      update: ``(accumulator, value, weight) -> accumulator``.
+      combine: ``(accumulator, axes) -> accumulator`` across data-parallel devices (inside a
+        ``shard_map`` manual over ``axes``).
+      finalize: ``(accumulator or stacked values, total weight, count) -> value``; ``count`` is
+        the number of micro-batches.
     """
-    try:
-        per_leaf = jax.tree.map(
-            lambda name, sub: jax.tree.map(lambda _: name, sub),
-            aux_reduce,
-            aux,
-            is_leaf=lambda x: isinstance(x, str),
-        )
-    except (ValueError, TypeError) as error:
-        raise ValueError(
-            f"aux_reduce={aux_reduce!r} must be one of {AUX_REDUCTIONS} or a pytree prefix of "
-            f"the aux value {jax.tree.structure(aux)} with those names as leaves: {error}"
-        ) from None
-    names = jax.tree.leaves(per_leaf, is_leaf=lambda x: isinstance(x, str))
-    bad = sorted({n for n in names if n not in AUX_REDUCTIONS}, key=str)
-    if bad:
-        raise ValueError(
-            f"aux_reduce: unknown reduction(s) {bad}; expected one of {AUX_REDUCTIONS}"
-        )
-    return names
+
+    stacked: bool
+    init: Callable[[Any, Any], Any]
+    update: Callable[[Any, Any, jax.Array], Any]
+    combine: Callable[[Any, Any], Any]
+    finalize: Callable[[Any, jax.Array, int], Any]
 
 
 def _extreme(dtype: Any, largest: bool) -> Any:
@@ -175,63 +167,122 @@ def _extreme(dtype: Any, largest: bool) -> Any:
     return largest
 
 
-def aux_init(plan: list[str], leaves: list[Any]) -> list[Any]:
-    """The accumulators of the reduced aux leaves (``None`` where a leaf is stacked)."""
-    out: list[Any] = []
-    for name, leaf in zip(plan, leaves, strict=True):
-        shape, dtype = jnp.shape(leaf), leaf_dtype(leaf)
-        if name == "stack":
-            out.append(None)
-        elif name in ("sum", "mean", "weighted_mean"):
-            acc = jnp.promote_types(dtype, jnp.float32) if name != "sum" else dtype
-            if name == "sum" and jnp.issubdtype(dtype, jnp.floating):
-                acc = jnp.promote_types(dtype, jnp.float32)
-            out.append(jnp.zeros(shape, acc))
-        elif name == "max":
-            out.append(jnp.full(shape, _extreme(dtype, largest=False), dtype))
-        elif name == "min":
-            out.append(jnp.full(shape, _extreme(dtype, largest=True), dtype))
-        else:  # last
-            out.append(jnp.zeros(shape, dtype))
-    return out
+def _wide(dtype: Any) -> Any:
+    """Sums of floating aux values in at least float32; integers and bools as they are."""
+    return jnp.promote_types(dtype, jnp.float32) if jnp.issubdtype(dtype, jnp.inexact) else dtype
 
 
-def aux_update(
-    plan: list[str], accs: list[Any], leaves: list[Any], weight: jax.Array
-) -> tuple[list[Any], list[Any]]:
-    """Adds one micro-batch's aux leaves: returns (new accumulators, the leaves to stack)."""
-    new: list[Any] = []
-    stacked: list[Any] = []
-    for name, acc, x in zip(plan, accs, leaves, strict=True):
-        x = jnp.asarray(x)
-        stacked.append(x if name == "stack" else None)
-        if name == "stack":
-            new.append(None)
-        elif name in ("sum", "mean"):
-            new.append(acc + x.astype(acc.dtype))
-        elif name == "weighted_mean":
-            new.append(weighted_add(acc, x, weight))
-        elif name == "max":
-            new.append(jnp.maximum(acc, x))
-        elif name == "min":
-            new.append(jnp.minimum(acc, x))
-        else:
-            new.append(x.astype(acc.dtype))
-    return new, stacked
+def _concat(ys: Any, total: jax.Array, count: int) -> Any:
+    """Stacked per-example values ``(k, m, ...)`` of strided micro-batches back in batch order:
+    micro-batch i holds examples i, i + k, ..., so example ``j * k + i`` is ``ys[i, j]``."""
+    return jnp.swapaxes(ys, 0, 1).reshape((-1, *ys.shape[2:]))
 
 
-def aux_finalize(
-    plan: list[str], accs: list[Any], stacked: list[Any], leaves: list[Any], total: Any, k: int
-) -> list[Any]:
-    """The reduced (or stacked) aux leaves, cast back to the dtypes ``fun`` returned."""
-    out = []
-    for name, acc, ys, like in zip(plan, accs, stacked, leaves, strict=True):
-        if name == "stack":
-            out.append(ys)
-        elif name == "mean":
-            out.append((acc / k).astype(jnp.promote_types(leaf_dtype(like), jnp.float32)))
-        elif name == "weighted_mean":
-            out.append(safe_divide(acc, total))
-        else:
-            out.append(acc)
-    return out
+def _last_device(acc: Any, axes: Any) -> Any:
+    """The accumulator of the last device along ``axes`` (it holds the batch's last examples)."""
+    n = jax.lax.psum(1, axes)
+    return jax.lax.psum(jnp.where(jax.lax.axis_index(axes) == n - 1, acc, 0), axes)
+
+
+def _none(*_: Any) -> Any:
+    return None
+
+
+def _same(acc: Any, *_: Any) -> Any:
+    return acc
+
+
+AUX_REDUCTIONS: dict[str, AuxReduction] = {
+    "stack": AuxReduction(True, _none, _none, _same, _same),
+    "concat": AuxReduction(True, _none, _none, _same, _concat),
+    "sum": AuxReduction(
+        False,
+        lambda shape, dtype: jnp.zeros(shape, _wide(dtype)),
+        lambda acc, x, w: acc + x.astype(acc.dtype),
+        jax.lax.psum,
+        _same,
+    ),
+    "mean": AuxReduction(
+        False,
+        lambda shape, dtype: jnp.zeros(shape, jnp.promote_types(dtype, jnp.float32)),
+        lambda acc, x, w: acc + x.astype(acc.dtype),
+        jax.lax.psum,
+        lambda acc, total, count: acc / count,
+    ),
+    "weighted_mean": AuxReduction(
+        False,
+        lambda shape, dtype: jnp.zeros(shape, jnp.promote_types(dtype, jnp.float32)),
+        lambda acc, x, w: weighted_add(acc, x, w),
+        jax.lax.psum,
+        lambda acc, total, count: safe_divide(acc, total),
+    ),
+    "max": AuxReduction(
+        False,
+        lambda shape, dtype: jnp.full(shape, _extreme(dtype, largest=False), dtype),
+        lambda acc, x, w: jnp.maximum(acc, x),
+        jax.lax.pmax,
+        _same,
+    ),
+    "min": AuxReduction(
+        False,
+        lambda shape, dtype: jnp.full(shape, _extreme(dtype, largest=True), dtype),
+        lambda acc, x, w: jnp.minimum(acc, x),
+        jax.lax.pmin,
+        _same,
+    ),
+    "last": AuxReduction(
+        False,
+        lambda shape, dtype: jnp.zeros(shape, dtype),
+        lambda acc, x, w: x.astype(acc.dtype),
+        _last_device,
+        _same,
+    ),
+}
+
+
+def _is_name(x: Any) -> bool:
+    return isinstance(x, str)
+
+
+def check_aux_spec(entry: str, spec: Any) -> None:
+    """Checks the reduction names of a ``has_aux`` spec (its structure is checked at trace)."""
+    names = jax.tree.leaves(spec, is_leaf=_is_name)
+    bad = sorted({n for n in names if not _is_name(n) or n not in AUX_REDUCTIONS}, key=str)
+    if bad or not names:
+        raise ValueError(
+            f"{entry}: has_aux must be a bool, one of {tuple(AUX_REDUCTIONS)}, or a pytree "
+            f"prefix of the aux value with those names as leaves; got unknown {bad or spec!r}"
+        )
+
+
+def aux_plan(entry: str, spec: Any, aux: Any) -> list[AuxReduction]:
+    """One :class:`AuxReduction` per leaf of ``aux`` (flattened), from ``has_aux``'s spec: a
+    name for every leaf, or a pytree prefix of ``aux`` whose leaves are names."""
+    try:
+        per_leaf = jax.tree.map(
+            lambda name, sub: jax.tree.map(lambda _: name, sub), spec, aux, is_leaf=_is_name
+        )
+    except (ValueError, TypeError) as error:
+        raise ValueError(
+            f"{entry}: has_aux={spec!r} must be one of {tuple(AUX_REDUCTIONS)} or a pytree "
+            f"prefix of the aux value {jax.tree.structure(aux)} with those names as leaves: "
+            f"{error}"
+        ) from None
+    check_aux_spec(entry, spec)
+    return [AUX_REDUCTIONS[n] for n in jax.tree.leaves(per_leaf, is_leaf=_is_name)]
+
+
+def check_concat(entry: str, spec: Any, aux: Any, microbatch_size: int) -> None:
+    """``"concat"`` needs per-example leaves: a leading axis of the micro-batch's size."""
+    plan = aux_plan(entry, spec, aux)
+    paths = jax.tree_util.tree_flatten_with_path(aux)[0]
+    for record, (path, leaf) in zip(plan, paths, strict=True):
+        shape = jnp.shape(leaf)
+        if record is AUX_REDUCTIONS["concat"] and (not shape or shape[0] != microbatch_size):
+            raise ValueError(
+                f"{entry}: has_aux 'concat' puts per-example values back in batch order, so "
+                f"each such aux leaf needs a leading axis of the micro-batch size "
+                f"{microbatch_size}; the leaf {jax.tree_util.keystr(path) or 'aux'} has shape "
+                f"{shape}: give it 'stack', 'mean' or 'sum' instead (a tree such as "
+                "{'logits': 'concat', 'loss': 'mean'})"
+            )

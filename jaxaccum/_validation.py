@@ -15,47 +15,61 @@ import jax.numpy as jnp
 import numpy as np
 
 
-def positive_int(value: Any, name: str) -> int:
+def positive_int(value: Any, name: str, entry: str | None = None) -> int:
     """Returns ``value`` as an ``int`` if it is a Python/NumPy integer >= 1."""
+    where = f"{entry}: " if entry else ""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise TypeError(
-            f"{name} must be a positive int; got {value!r} of type {type(value).__name__}"
+            f"{where}{name} must be a positive int; got {value!r} of type {type(value).__name__}"
         )
     if value < 1:
-        raise ValueError(f"{name} must be >= 1; got {name}={value}")
+        raise ValueError(f"{where}{name} must be >= 1; got {name}={value}")
     return int(value)
 
 
-def exactly_one_count(num_microbatches: Any, microbatch_size: Any) -> None:
+def exactly_one_count(num_microbatches: Any, microbatch_size: Any, entry: str) -> None:
     """Checks that exactly one of the two micro-batch counts is given, and that it is valid."""
     if (num_microbatches is None) == (microbatch_size is None):
         raise ValueError(
-            "exactly one of num_microbatches and microbatch_size must be given; got "
+            f"{entry}: exactly one of num_microbatches and microbatch_size must be given; got "
             f"num_microbatches={num_microbatches!r}, microbatch_size={microbatch_size!r}"
         )
     if num_microbatches is not None:
-        positive_int(num_microbatches, "num_microbatches")
+        positive_int(num_microbatches, "num_microbatches", entry)
     if microbatch_size is not None:
-        positive_int(microbatch_size, "microbatch_size")
+        positive_int(microbatch_size, "microbatch_size", entry)
 
 
 def resolve_num_microbatches(
-    batch_size: int, num_microbatches: int | None, microbatch_size: int | None
+    batch_size: int,
+    num_microbatches: int | None,
+    microbatch_size: int | None,
+    entry: str = "jaxaccum",
+    devices: int = 1,
 ) -> int:
-    """Returns k, checking that it splits ``batch_size`` into equal micro-batches."""
+    """Returns k, checking that it splits ``batch_size`` (per device) into equal micro-batches.
+
+    ``batch_size`` is the per-device batch size on a mesh of ``devices`` data-parallel devices;
+    the message then says so.
+    """
+    where = (
+        f"the per-device batch size {batch_size} (the batch of {batch_size * devices} over "
+        f"{devices} devices: on a mesh k and microbatch_size are per device)"
+        if devices > 1
+        else f"the batch size {batch_size}"
+    )
     if num_microbatches is not None:
         if batch_size % num_microbatches:
             raise ValueError(
-                f"num_microbatches={num_microbatches} does not divide the batch size "
-                f"{batch_size}; choose a divisor of {batch_size} or pad the batch and use "
-                "weighted=True"
+                f"{entry}: num_microbatches={num_microbatches} does not divide {where}; choose "
+                f"a divisor of {batch_size} or pad the batch and use weighted=True"
             )
         return num_microbatches
     assert microbatch_size is not None
     if batch_size % microbatch_size:
         raise ValueError(
-            f"microbatch_size={microbatch_size} does not divide the batch size {batch_size}; "
-            f"choose a divisor of {batch_size} or pad the batch and use weighted=True"
+            f"{entry}: microbatch_size={microbatch_size} does not divide {where}; choose a "
+            f"divisor of {batch_size} or pad the batch and use weighted=True"
         )
     return batch_size // microbatch_size
 
@@ -76,7 +90,9 @@ def argnums_tuple(value: Any, name: str) -> tuple[int, ...]:
     return out
 
 
-def leading_batch_size(args: Sequence[Any], batch_argnums: tuple[int, ...]) -> int:
+def leading_batch_size(
+    args: Sequence[Any], batch_argnums: tuple[int, ...], entry: str = "jaxaccum"
+) -> int:
     """Returns the common leading-axis size of every leaf of the batch arguments."""
     sizes: dict[str, int] = {}
     for i in batch_argnums:
@@ -85,22 +101,25 @@ def leading_batch_size(args: Sequence[Any], batch_argnums: tuple[int, ...]) -> i
             shape = np.shape(leaf)
             if not shape:
                 raise ValueError(
-                    f"batch_argnums: every leaf of a batch argument needs a leading batch axis; "
-                    f"{where} is a scalar"
+                    f"{entry}: every leaf of a batch argument (batch_argnums={batch_argnums}) "
+                    f"needs a leading batch axis; {where} is a scalar (pass a value shared by "
+                    "every example as another argument, or by keyword: keywords are passed whole)"
                 )
             sizes[where] = shape[0]
     if not sizes:
-        raise ValueError(f"batch_argnums={batch_argnums}: the batch arguments hold no array leaves")
+        raise ValueError(
+            f"{entry}: batch_argnums={batch_argnums}: the batch arguments hold no array leaves"
+        )
     distinct = set(sizes.values())
     if len(distinct) > 1:
         listing = ", ".join(f"{k}: {v}" for k, v in sizes.items())
         raise ValueError(
-            f"batch_argnums: the leaves of the batch arguments must share one leading batch "
-            f"size; got {listing}"
+            f"{entry}: the leaves of the batch arguments (batch_argnums={batch_argnums}) must "
+            f"share one leading batch size; got {listing}"
         )
     (size,) = distinct
     if size == 0:
-        raise ValueError("batch_argnums: the batch is empty (leading batch size 0)")
+        raise ValueError(f"{entry}: the batch is empty (leading batch size 0)")
     return int(size)
 
 

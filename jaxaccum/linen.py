@@ -13,19 +13,18 @@ Duck-typed, flax is not imported: a "train state" is any object with ``params``,
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
-from jax.typing import ArrayLike, DTypeLike
+from jax.typing import ArrayLike
 
-from jaxaccum import _accumulate, _reductions, _sharding, _validation
+from jaxaccum import _arguments, _options, _reductions, _train_step, _value_and_grad
 from jaxaccum._multi_steps import MultiStepsState
 
-OVERWRITE_WITH_GRADIENT = "overwrite_with_gradient"  # flax's special params collection
+OVERWRITE_WITH_GRADIENT = "_overwrite_with_gradient"  # flax.training.train_state's name
 
 
 def _multi_steps_states(opt_state: Any) -> list[Any]:
@@ -104,49 +103,61 @@ def apply_gradients(state: Any, grads: Any, *, weight: ArrayLike | None = None,
     )
 
 
+def _with_rngs(loss_fn: Callable[..., Any], stats: bool) -> Callable[..., Any]:
+    """``loss_fn`` whose last positional argument is the carried RNG state ``(keys, count)``:
+    micro-batch ``count`` is called with ``rngs={name: fold_in(key, count)}`` and the count
+    advances by one, as k sequential ``apply`` calls with those keys would draw."""
+
+    def fun(*args: Any) -> Any:
+        *plain, (keys, count) = args
+        rngs = {name: jax.random.fold_in(key, count) for name, key in keys.items()}
+        out = loss_fn(*plain, rngs=rngs)
+        advanced = (keys, count + 1)
+        if stats:
+            value, new_stats = out
+            return value, (new_stats, advanced)
+        return out, advanced
+
+    return fun
+
+
 def train_step(
     loss_fn: Callable[..., Any],
     *,
-    num_microbatches: int | None = None,
-    microbatch_size: int | None = None,
-    has_aux: bool = False,
-    weighted: bool = False,
-    aux_reduce: Any = "stack",
-    skip_nonfinite: bool = False,
     donate: bool = True,
-    accumulator_dtype: DTypeLike | None = jnp.float32,
-    remat: bool | _accumulate.RematPolicy = False,
-    unroll: int | bool = 1,
-    mesh: jax.sharding.Mesh | None = None,
-    data_axis: str | tuple[str, ...] | None = None,
-    fsdp: str = "step",
+    **options: Any,
 ) -> Callable[..., tuple[Any, Any]]:
     """One jitted ``TrainState`` step over a batch split into k micro-batches.
 
-    ``step = train_step(loss_fn, num_microbatches=k)``; ``state, loss = step(state, batch,
-    *rest)``. Without a ``batch_stats`` field (or with ``state.batch_stats is None``),
-    ``loss_fn(params, batch, *rest)`` returns the mean loss as for
+    ``step = train_step(loss_fn, num_microbatches=k)``; ``state, value = step(state, batch,
+    *rest, rngs=None)``. Without a ``batch_stats`` field (or with ``state.batch_stats is
+    None``), ``loss_fn(params, batch, *rest)`` returns the mean loss as for
     :func:`jaxaccum.value_and_grad`. With one, ``loss_fn(params, batch, batch_stats, *rest)``
     returns ``(loss, new_batch_stats)`` (``((loss, aux), new_batch_stats)`` with ``has_aux``),
     e.g. from ``apply_fn({"params": params, "batch_stats": batch_stats}, x,
-    mutable=["batch_stats"])``: the statistics are carried through the micro-batches
-    (``carry_argnums=2`` of :func:`jaxaccum.value_and_grad`), as k sequential train-mode calls
-    would update them. The gradients go to :func:`apply_gradients` (one optimizer step; with a
-    multi-steps ``tx``, ``step`` counts optimizer steps) and the final statistics into
+    mutable=["batch_stats"])``: the statistics are carried through the micro-batches, as k
+    sequential train-mode calls would update them.
+
+    Randomness (``nn.Dropout``): pass ``rngs={"dropout": key}`` to the step (a new key every
+    step, e.g. ``jax.random.fold_in(key, state.step)``); ``loss_fn`` then receives
+    ``rngs=`` as a keyword and hands it to ``apply_fn``. Micro-batch i gets ``{"dropout":
+    jax.random.fold_in(key, i)}``: every micro-batch draws its own masks, as k sequential
+    ``apply`` calls with those keys would (one key for every micro-batch would repeat one
+    mask k times). Masks that do not depend on k at all need keys per example
+    (:func:`jaxaccum.per_example_keys`).
+
+    The gradients go to :func:`apply_gradients` (one optimizer step; with a multi-steps
+    ``tx``, ``step`` counts optimizer steps) and the final statistics into
     ``state.batch_stats``. A step whose total weight is 0 returns the state unchanged.
 
     Args:
       loss_fn: as above.
-      num_microbatches: k; exactly one of this and ``microbatch_size``.
-      microbatch_size: the size of each micro-batch instead of k.
-      has_aux, weighted, aux_reduce, skip_nonfinite, accumulator_dtype, remat, unroll, mesh,
-        data_axis, fsdp: as in :func:`jaxaccum.value_and_grad`.
       donate: donate the state's arrays to the step (do not reuse the state you pass in).
+      **options: the accumulation options (:class:`jaxaccum.Options`).
 
     Returns:
-      ``step(state, batch, *rest) -> (state, value)``; ``value`` is the loss, ``(loss, aux)``
-      with ``has_aux``, ``(loss, {"aux", "skipped", "num_microbatches"})`` with
-      ``skip_nonfinite``.
+      ``step(state, batch, *rest, rngs=None) -> (state, value)``; ``value`` is the loss, or
+      ``(loss, aux)`` with ``has_aux``.
 
     Example:
       >>> import jax.numpy as jnp, optax, jaxaccum.linen
@@ -161,38 +172,36 @@ def train_step(
       >>> int(state.step), float(loss)
       (1, 1.0)
     """
-    _validation.exactly_one_count(num_microbatches, microbatch_size)
-    options = dict(
-        has_aux=has_aux, weighted=weighted, aux_reduce=aux_reduce,
-        skip_nonfinite=skip_nonfinite, accumulator_dtype=accumulator_dtype, remat=remat,
-        unroll=unroll, argnums=0, batch_argnums=1,
-    )
-    configs = {  # with and without batch_stats; both checked now
-        carried: _accumulate.make_config(loss_fn, carry_argnums=2 if carried else (), **options)
-        for carried in (False, True)
-    }
-    sharding = _sharding.data_parallel(mesh, data_axis, fsdp)
+    entry = "jaxaccum.linen.train_step"
+    opts = _options.parse(entry, options)
+    _arguments.make(entry, loss_fn, opts)  # checks now
 
-    def step(state: Any, batch: Any, *rest: Any) -> tuple[Any, Any]:
+    def step(state: Any, batch: Any, *rest: Any, rngs: Any = None) -> tuple[Any, Any]:
         stats = getattr(state, "batch_stats", None)
-        carried = stats is not None
-        cfg = configs[carried]
-        args = (state.params, batch, stats, *rest) if carried else (state.params, batch, *rest)
-        out = _accumulate.accumulate(cfg, args, num_microbatches, microbatch_size, sharding)
-        new = apply_gradients(state, out.grads)
-        if carried:
-            new = new.replace(batch_stats=out.carry[0])
-        if cfg.divides_safely:  # nothing to learn from: the state as it was
-            new = _reductions.unless_empty(out.weight, state, new)
-        return new, _accumulate.shape_value(cfg, out, with_carry=False)
+        args: list[Any] = [state.params, batch, *([] if stats is None else [stats]), *rest]
+        carry = [] if stats is None else [2]
+        fun = loss_fn
+        if rngs is not None:
+            fun = _with_rngs(loss_fn, stats is not None)
+            args.append((rngs, jnp.zeros((), jnp.int32)))
+            carry.append(len(args) - 1)
+        acc = _arguments.make(entry, fun, opts, carry_argnums=tuple(carry))
+        res = _value_and_grad.call(acc, tuple(args))
+
+        def update(old: Any) -> Any:
+            new = apply_gradients(old, res.grads)
+            return new if stats is None else new.replace(batch_stats=res.carry[0])
+
+        if opts.divides_safely:  # nothing to learn from: the state as it was
+            new = _reductions.step_unless_empty(res.weight, update, state, donated=donate)
+        else:
+            new = update(state)
+        return new, _value_and_grad.shape_value(acc, res, with_carry=False)
 
     jitted = jax.jit(step, donate_argnums=(0,) if donate else ())
 
-    def run(state: Any, batch: Any, *rest: Any) -> tuple[Any, Any]:
-        context: Any = contextlib.nullcontext()
-        if sharding is not None and sharding.explicit:
-            context = jax.set_mesh(sharding.mesh)
-        with context:
-            return jitted(state, batch, *rest)  # type: ignore[no-any-return]
+    def run(state: Any, batch: Any, *rest: Any, rngs: Any = None) -> tuple[Any, Any]:
+        with _train_step.mesh_context(opts):
+            return jitted(state, batch, *rest, rngs=rngs)  # type: ignore[no-any-return]
 
     return run

@@ -20,15 +20,14 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
-from jax.typing import DTypeLike
 
-from jaxaccum import _accumulate, _reductions, _sharding, _validation
+from jaxaccum import _arguments, _options, _reductions, _value_and_grad
+from jaxaccum._pipeline import Result
 
 
 def _in_model(path: tuple[Any, ...], _: Any) -> bool:
-    """Filter: variables reached first through the module (argument 0 of ``loss_fn``)."""
+    """Filter: variables reached first through the module (node 0 of the split nodes)."""
     return bool(path) and path[0] == 0
 
 
@@ -38,116 +37,88 @@ def _split(nodes: Any, diff_filter: Any) -> tuple[Any, nnx.State, nnx.State]:
     return split[0], split[1], split[2]
 
 
-class _Accumulator:
-    """What :func:`value_and_grad` and :func:`train_step` share: one accumulated call.
-
-    ``loss_fn(model, *args)`` is turned into a pure function of ``(params, *args, state)``:
-    the module (and any graph node among ``args``, e.g. an ``nnx.Rngs``) is split once into
-    its ``wrt`` variables of the module, differentiated, and the rest, carried.
-    """
-
-    def __init__(self, loss_fn: Callable[..., Any], options: dict[str, Any]) -> None:
-        if not callable(loss_fn):
-            raise TypeError(f"loss_fn must be callable; got {type(loss_fn).__name__}")
-        self.loss_fn = loss_fn
-        self.counts = (options.pop("num_microbatches"), options.pop("microbatch_size"))
-        _validation.exactly_one_count(*self.counts)
-        self.sharding = _sharding.data_parallel(
-            options.pop("mesh"), options.pop("data_axis"), options.pop("fsdp")
+def _check_options(entry: str, batch_argnums: Any, options: dict[str, Any]) -> tuple[
+        _options.Options, tuple[int, ...]]:
+    opts = _options.parse(entry, options)
+    split = _arguments.make(entry, lambda *a: None, opts, batch_argnums=batch_argnums).split
+    if 0 in split:
+        raise ValueError(
+            f"{entry}: batch_argnums={batch_argnums!r}: argument 0 of loss_fn is the module; "
+            "the batch arguments come after it"
         )
-        self.options = options
-        batch_argnums = _validation.argnums_tuple(options["batch_argnums"], "batch_argnums")
-        if 0 in batch_argnums:
-            raise ValueError(
-                f"batch_argnums={options['batch_argnums']!r}: argument 0 of loss_fn is the "
-                "module; the batch arguments come after it"
-            )
-        # checks every option now, at construction (the state goes after every argument)
-        self.config(loss_fn, max(batch_argnums) + 1)
+    return opts, split
 
-    def config(self, fun: Callable[..., Any], carry_position: int) -> _accumulate.Config:
-        options = dict(self.options)
-        batch_argnums = options.pop("batch_argnums")
-        return _accumulate.make_config(
-            fun, argnums=0, batch_argnums=batch_argnums, carry_argnums=carry_position, **options
+
+def accumulate(
+    entry: str,
+    loss_fn: Callable[..., Any],
+    opts: _options.Options,
+    batch_argnums: tuple[int, ...],
+    wrt: Any,
+    model: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> tuple[_arguments.Accumulation, Result, Callable[[], None]]:
+    """Accumulates ``loss_fn(model, *args, **kwargs)``: the module (and every graph node among
+    ``args`` and ``kwargs``, e.g. an ``nnx.Rngs``) is split once into the module's ``wrt``
+    variables, differentiated, and the rest, carried. Returns the accumulation, the result
+    (grads as the module's ``wrt`` state) and a function writing the carried state back."""
+    if not isinstance(model, nnx.Module):
+        raise TypeError(
+            f"{entry}: argument 0 of loss_fn must be an nnx.Module; got {type(model).__name__}"
         )
+    node_at = tuple(i for i, a in enumerate(args) if nnx.graph.is_graph_node(a))
+    node_kw = tuple(k for k, v in kwargs.items() if nnx.graph.is_graph_node(v))
+    nodes = (model, *(args[i] for i in node_at), *(kwargs[k] for k in node_kw))
+    diff_filter = nnx.All(wrt, _in_model)
+    graphdef, params, state = _split(nodes, diff_filter)
+    plain_kw = {k: v for k, v in kwargs.items() if k not in node_kw}
 
-    def __call__(
-        self, wrt: Any, model: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> tuple[_accumulate.Config, _accumulate.Accumulated, Callable[[], None]]:
-        """Accumulates ``loss_fn(model, *args, **kwargs)``; returns the config, the result
-        (grads as the module's ``wrt`` state) and a function writing the carried state back."""
-        if not isinstance(model, nnx.Module):
-            raise TypeError(
-                f"argument 0 of loss_fn must be an nnx.Module; got {type(model).__name__}"
-            )
-        node_at = tuple(i for i, a in enumerate(args) if nnx.graph.is_graph_node(a))
-        nodes = (model, *(args[i] for i in node_at))
-        diff_filter = nnx.All(wrt, _in_model)
-        graphdef, params, state = _split(nodes, diff_filter)
-        loss_fn = self.loss_fn
+    def pure(params: Any, *rest: Any) -> tuple[Any, Any]:
+        *plain, state = rest
+        # copy: fresh Variables inside the trace, never the caller's (which it must not
+        # mutate from inside a jax transform)
+        merged = nnx.merge(graphdef, params, state, copy=True)
+        call_args = list(plain)
+        for i, node in zip(node_at, merged[1:], strict=False):
+            call_args[i] = node
+        node_kwargs = dict(zip(node_kw, merged[1 + len(node_at):], strict=True))
+        out = loss_fn(merged[0], *call_args, **plain_kw, **node_kwargs)
+        return out, _split(merged, diff_filter)[2]
 
-        def pure(params: Any, *rest: Any, **kw: Any) -> tuple[Any, Any]:
-            *plain, state = rest
-            # copy: fresh Variables inside the trace, never the caller's (which it must not
-            # mutate from inside a jax transform)
-            merged = nnx.merge(graphdef, params, state, copy=True)
-            call_args = list(plain)
-            for i, node in zip(node_at, merged[1:], strict=True):
-                call_args[i] = node
-            out = loss_fn(merged[0], *call_args, **kw)
-            new_state = _split(merged, diff_filter)[2]
-            return out, new_state
+    carry_at = 1 + len(args)
+    acc = _arguments.make(entry, pure, opts, batch_argnums=batch_argnums, carry_argnums=carry_at)
+    plain = tuple(None if i in node_at else a for i, a in enumerate(args))
+    call_args = (params, *plain, state)
+    acc.bind(call_args, {})
+    try:
+        res = _value_and_grad.call(acc, call_args)
+    except TypeError as error:
+        prefix = f"{entry}: carry_argnums: argument {carry_at}"
+        if not str(error).startswith(prefix):
+            raise
+        raise TypeError(
+            f"{entry}: loss_fn must leave the module's variables other than "
+            f"wrt={getattr(wrt, '__name__', wrt)!r} (carried from one micro-batch to the "
+            "next: BatchStat, RNG counts, ...) with their structure, shapes and dtypes "
+            "(paths start with the position of the node: [0] is the module); the module's "
+            "state" + str(error)[len(prefix):]
+        ) from None
+    new_state = res.carry[0]
+    grads = res.grads[0] if 0 in res.grads else nnx.State({})
 
-        carry_position = 1 + len(args)
-        cfg = self.config(pure, carry_position)
-        plain = tuple(None if i in node_at else a for i, a in enumerate(args))
-        call_args = (params, *plain, state)
-        cfg = _accumulate.bind_call(cfg, call_args, kwargs, 0, cfg.split_argnums)
-        try:
-            out = _accumulate.accumulate(cfg, call_args, *self.counts, self.sharding)
-        except TypeError as error:
-            prefix = f"carry_argnums: argument {carry_position}"
-            if not str(error).startswith(prefix):
-                raise
-            raise TypeError(
-                "jaxaccum.nnx: loss_fn must leave the module's variables other than "
-                f"wrt={getattr(wrt, '__name__', wrt)!r} (carried from one micro-batch to the "
-                "next: BatchStat, RNG counts, ...) with their structure, shapes and dtypes "
-                "(paths start with the position of the node in loss_fn's arguments, [0]: the "
-                "module); the module's state" + str(error)[len(prefix):]
-            ) from None
-        new_state = out.carry[0]
-        grads = out.grads[0] if 0 in out.grads else nnx.State({})
-        out = out._replace(grads=grads, carry=())
+    def write_back() -> None:
+        nnx.update(nodes, new_state)
 
-        def write_back() -> None:
-            nnx.update(nodes, new_state)
-
-        return cfg, out, write_back
-
-
-def _options(**options: Any) -> dict[str, Any]:
-    return options
+    return acc, res._replace(grads=grads, carry=()), write_back
 
 
 def value_and_grad(
     loss_fn: Callable[..., Any],
     *,
-    num_microbatches: int | None = None,
-    microbatch_size: int | None = None,
     wrt: Any = nnx.Param,
-    has_aux: bool = False,
-    weighted: bool = False,
-    aux_reduce: Any = "stack",
-    skip_nonfinite: bool = False,
     batch_argnums: int | tuple[int, ...] = 1,
-    accumulator_dtype: DTypeLike | None = jnp.float32,
-    remat: bool | _accumulate.RematPolicy = False,
-    unroll: int | bool = 1,
-    mesh: jax.sharding.Mesh | None = None,
-    data_axis: str | tuple[str, ...] | None = None,
-    fsdp: str = "step",
+    **options: Any,
 ) -> Callable[..., tuple[Any, nnx.State]]:
     """``nnx.value_and_grad`` over a batch split into k micro-batches (one ``lax.scan``).
 
@@ -168,31 +139,25 @@ def value_and_grad(
     variable and both structures). With ``skip_nonfinite``, a skipped micro-batch's state
     update is dropped.
 
-    Call it inside ``nnx.jit`` (or see :func:`train_step`).
+    Call it inside ``nnx.jit`` (or see :func:`train_step`). Keyword arguments are passed
+    whole to every micro-batch; a graph node passed by keyword (``rngs=nnx.Rngs(0)``, say)
+    is carried like one passed positionally. For the Flax MNIST tutorial's metrics, return the
+    logits as aux with ``has_aux="concat"``: they come back in the batch's own order, so
+    ``metrics.update(logits=logits, labels=labels)`` works unchanged.
 
     Args:
       loss_fn: ``loss_fn(model, batch, *rest, **kwargs)`` returning the mean loss (``(loss,
         aux)`` with ``has_aux``, ``(loss, weight)`` with ``weighted``).
-      num_microbatches: k; exactly one of this and ``microbatch_size``.
-      microbatch_size: the size of each micro-batch instead of k.
       wrt: the ``nnx`` filter of the variables to differentiate (as ``nnx.Optimizer``'s
         ``wrt``); they must be floating.
-      has_aux: see :func:`jaxaccum.value_and_grad` (the aux comes back stacked by default).
-      weighted: see :func:`jaxaccum.value_and_grad`.
-      aux_reduce: see :func:`jaxaccum.value_and_grad`.
-      skip_nonfinite: see :func:`jaxaccum.value_and_grad`; the value is then ``(loss,
-        {"aux", "skipped", "num_microbatches"})``.
       batch_argnums: positions in ``loss_fn``'s arguments (>= 1) of the batch arguments.
-      accumulator_dtype: see :func:`jaxaccum.value_and_grad`.
-      remat: see :func:`jaxaccum.value_and_grad`.
-      unroll: see :func:`jaxaccum.value_and_grad`.
-      mesh: see :func:`jaxaccum.value_and_grad` (carried state needs Explicit axes).
-      data_axis: see :func:`jaxaccum.value_and_grad`.
-      fsdp: see :func:`jaxaccum.value_and_grad`.
+      **options: the accumulation options (:class:`jaxaccum.Options`): ``num_microbatches``
+        or ``microbatch_size``, ``has_aux``, ``weighted``, ``skip_nonfinite``,
+        ``accumulator_dtype``, ``mesh`` (carried state needs Explicit axes).
 
     Returns:
       A function ``(model, batch, *rest, **kwargs) -> (value, grads)`` that updates
-      ``model``'s non-``wrt`` variables in place.
+      ``model``'s non-``wrt`` variables in place; ``value`` is the loss or ``(loss, aux)``.
 
     Raises:
       ValueError, TypeError: as :func:`jaxaccum.value_and_grad`; ``TypeError`` if argument 0
@@ -216,21 +181,14 @@ def value_and_grad(
       >>> int(optimizer.step[...])
       1
     """
-    acc = _Accumulator(
-        loss_fn,
-        _options(
-            num_microbatches=num_microbatches, microbatch_size=microbatch_size, has_aux=has_aux,
-            weighted=weighted, aux_reduce=aux_reduce, skip_nonfinite=skip_nonfinite,
-            batch_argnums=batch_argnums, accumulator_dtype=accumulator_dtype, remat=remat,
-            unroll=unroll, mesh=mesh, data_axis=data_axis, fsdp=fsdp,
-        ),
-    )
+    entry = "jaxaccum.nnx.value_and_grad"
+    opts, split = _check_options(entry, batch_argnums, options)
 
     @functools.wraps(loss_fn)
     def accumulated(model: nnx.Module, *args: Any, **kwargs: Any) -> tuple[Any, nnx.State]:
-        cfg, out, write_back = acc(wrt, model, args, kwargs)
+        acc, res, write_back = accumulate(entry, loss_fn, opts, split, wrt, model, args, kwargs)
         write_back()
-        return _accumulate.shape_value(cfg, out, with_carry=False), out.grads
+        return _value_and_grad.shape_value(acc, res, with_carry=False), res.grads
 
     return accumulated
 
@@ -238,21 +196,10 @@ def value_and_grad(
 def train_step(
     loss_fn: Callable[..., Any],
     *,
-    num_microbatches: int | None = None,
-    microbatch_size: int | None = None,
     wrt: Any = None,
-    has_aux: bool = False,
-    weighted: bool = False,
-    aux_reduce: Any = "stack",
-    skip_nonfinite: bool = False,
     batch_argnums: int | tuple[int, ...] = 1,
-    donate: bool = True,
-    accumulator_dtype: DTypeLike | None = jnp.float32,
-    remat: bool | _accumulate.RematPolicy = False,
-    unroll: int | bool = 1,
-    mesh: jax.sharding.Mesh | None = None,
-    data_axis: str | tuple[str, ...] | None = None,
-    fsdp: str = "step",
+    donate: bool = False,
+    **options: Any,
 ) -> Callable[..., Any]:
     """One ``nnx.jit`` optimizer step over a batch split into micro-batches.
 
@@ -267,19 +214,18 @@ def train_step(
 
     Args:
       loss_fn: as in :func:`value_and_grad`.
-      num_microbatches: k; exactly one of this and ``microbatch_size``.
-      microbatch_size: the size of each micro-batch instead of k.
       wrt: the variables to differentiate; by default the optimizer's ``wrt``.
-      has_aux, weighted, aux_reduce, skip_nonfinite, batch_argnums: as in
-        :func:`value_and_grad`.
-      donate: donate the model's and optimizer's arrays to the step (they are replaced in
-        place; do not keep references to the old arrays).
-      accumulator_dtype, remat, unroll, mesh, data_axis, fsdp: as in
-        :func:`jaxaccum.value_and_grad`.
+      batch_argnums: as in :func:`value_and_grad`.
+      donate: donate the model's and optimizer's arrays to the step (saves their memory).
+        Off by default, as with ``nnx.jit``: a donated array is deleted, and copies that
+        share arrays with the model (``nnx.clone``, a best-model snapshot) would then fail
+        with "Array has been deleted"; take such copies with ``jax.tree.map(jnp.copy, ...)``
+        (or ``nnx.clone`` after ``nnx.state`` copies) when you donate.
+      **options: the accumulation options (:class:`jaxaccum.Options`).
 
     Returns:
-      ``step(model, optimizer, batch, *rest) -> value``: the loss, ``(loss, aux)`` with
-      ``has_aux``; with ``skip_nonfinite``, ``(loss, {"aux", "skipped", "num_microbatches"})``.
+      ``step(model, optimizer, batch, *rest, **kwargs) -> value``: the loss, or ``(loss,
+      aux)`` with ``has_aux``.
 
     Example:
       >>> import jax.numpy as jnp, optax
@@ -295,36 +241,40 @@ def train_step(
       >>> int(optimizer.step[...])
       1
     """
-    acc = _Accumulator(
-        loss_fn,
-        _options(
-            num_microbatches=num_microbatches, microbatch_size=microbatch_size, has_aux=has_aux,
-            weighted=weighted, aux_reduce=aux_reduce, skip_nonfinite=skip_nonfinite,
-            batch_argnums=batch_argnums, accumulator_dtype=accumulator_dtype, remat=remat,
-            unroll=unroll, mesh=mesh, data_axis=data_axis, fsdp=fsdp,
-        ),
-    )
+    entry = "jaxaccum.nnx.train_step"
+    opts, split = _check_options(entry, batch_argnums, options)
 
-    def step(model: nnx.Module, optimizer: nnx.Optimizer, *args: Any) -> Any:
+    def step(model: nnx.Module, optimizer: nnx.Optimizer, args: tuple[Any, ...],
+             kwargs: dict[str, Any]) -> Any:
         if not isinstance(optimizer, nnx.Optimizer):
             raise TypeError(
-                f"argument 1 of the step must be an nnx.Optimizer; got {type(optimizer).__name__}"
+                f"{entry}: argument 1 of the step must be an nnx.Optimizer; got "
+                f"{type(optimizer).__name__}"
             )
         both = (model, optimizer)
-        # a snapshot: new Variables holding the current (immutable) arrays
-        before = jax.tree.map(lambda x: x, nnx.state(both)) if acc_divides_safely else None
-        cfg, out, write_back = acc(optimizer.wrt if wrt is None else wrt, model, args, {})
+        graphdef, before = nnx.split(both)
+        before = jax.tree.map(lambda x: x, before)  # a snapshot: new Variables, same arrays
+        acc, res, write_back = accumulate(entry, loss_fn, opts, split, optimizer.wrt if wrt is
+                                          None else wrt, model, args, kwargs)
         write_back()
-        optimizer.update(model, out.grads)
-        if before is not None:  # nothing to learn from: no step, no state change at all
-            nnx.update(both, _reductions.unless_empty(out.weight, before, nnx.state(both)))
-        return _accumulate.shape_value(cfg, out, with_carry=False)
+        carried = nnx.state(both)
 
-    acc_divides_safely = weighted or skip_nonfinite
+        def update(_: Any) -> Any:  # pure: on fresh copies of the model and optimizer
+            new_model, new_optimizer = nnx.merge(graphdef, carried, copy=True)
+            new_optimizer.update(new_model, res.grads)
+            return nnx.state((new_model, new_optimizer))
+
+        if opts.divides_safely:  # a step of weight 0 changes nothing, carried state included
+            nnx.update(both, _reductions.step_unless_empty(res.weight, update, before,
+                                                           donated=donate))
+        else:
+            nnx.update(both, update(before))
+        return _value_and_grad.shape_value(acc, res, with_carry=False)
+
     jitted = nnx.jit(step, donate_argnums=(0, 1) if donate else None)
 
     @functools.wraps(loss_fn)
-    def run(model: nnx.Module, optimizer: nnx.Optimizer, *args: Any) -> Any:
-        return jitted(model, optimizer, *args)
+    def run(model: nnx.Module, optimizer: nnx.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        return jitted(model, optimizer, args, kwargs)  # keywords travel as one dict
 
     return run

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import assert_trees_close, mlp_apply, mlp_params, random_batch
+from conftest import assert_trees_close, mlp_apply, mlp_params, mse_loss, random_batch
 
 import jaxaccum
 
@@ -61,8 +61,7 @@ def test_carried_state_with_skip_nonfinite_drops_the_bad_update():
     bad = (x.at[1].set(jnp.nan), y)  # strided micro-batch 1 of 4
     fn = jaxaccum.value_and_grad(bn_loss, num_microbatches=4, carry_argnums=2,
                                  skip_nonfinite=True)
-    ((_, info), stats), _ = jax.jit(fn)(PARAMS, bad, STATS)
-    assert int(info["skipped"]) == 1
+    (_, stats), _ = jax.jit(fn)(PARAMS, bad, STATS)
     assert int(stats["count"]) == 3  # the skipped micro-batch did not count
     assert bool(jnp.all(jnp.isfinite(stats["mean"])))
 
@@ -72,8 +71,9 @@ def test_carried_state_in_train_step_is_donated_and_returned():
     step = jaxaccum.train_step(bn_loss, opt, num_microbatches=4, carry_argnums=2)
     params = jax.tree.map(jnp.array, PARAMS)
     stats = jax.tree.map(jnp.array, STATS)
-    params, _, loss, aux, new_stats = step(params, opt.init(params), BATCH, stats)
-    assert aux is None and int(new_stats["count"]) == 4
+    params, _, loss, info = step(params, opt.init(params), BATCH, stats)
+    new_stats = info.carry
+    assert info.aux is None and int(new_stats["count"]) == 4
     assert all(s.is_deleted() for s in jax.tree.leaves(stats))
     assert_trees_close(new_stats["mean"], sequential(4)[2]["mean"], 1e-6)
 
@@ -128,8 +128,7 @@ def test_aux_reductions_match_the_stacked_values_reduced_by_hand(k):
     (_, stacked), _ = jax.jit(stacked_fn)(PARAMS, batch)
     spec = {"tokens": "sum", "loss": "weighted_mean", "amax": "max", "amin": "min",
             "first": "last"}
-    fn = jaxaccum.value_and_grad(aux_loss, num_microbatches=k, has_aux=True, weighted=True,
-                                 aux_reduce=spec)
+    fn = jaxaccum.value_and_grad(aux_loss, num_microbatches=k, has_aux=spec, weighted=True)
     (_, reduced), _ = jax.jit(fn)(PARAMS, batch)
     weights = np.asarray(stacked["tokens"], np.float64)
     assert int(reduced["tokens"]) == int(np.sum(stacked["tokens"])) == 64 - 22
@@ -138,15 +137,54 @@ def test_aux_reductions_match_the_stacked_values_reduced_by_hand(k):
     assert float(reduced["amax"]) == float(np.max(stacked["amax"]))
     assert float(reduced["amin"]) == float(np.min(stacked["amin"]))
     np.testing.assert_array_equal(reduced["first"], stacked["first"][-1])
-    mean_fn = jaxaccum.value_and_grad(aux_loss, num_microbatches=k, has_aux=True, weighted=True,
-                                      aux_reduce="mean")
+    mean_fn = jaxaccum.value_and_grad(aux_loss, num_microbatches=k, has_aux="mean",
+                                      weighted=True)
     (_, means), _ = jax.jit(mean_fn)(PARAMS, batch)
     np.testing.assert_allclose(means["amax"], np.mean(stacked["amax"]), rtol=1e-6)
     assert reduced["tokens"].dtype == jnp.int32 and reduced["first"].shape == (4,)
 
 
 def test_unknown_aux_reduction_is_rejected():
-    with pytest.raises(ValueError, match=r"aux_reduce: unknown reduction\(s\) \['median'\]"):
-        jaxaccum.value_and_grad(aux_loss, num_microbatches=2, has_aux=True, aux_reduce="median")
-    with pytest.raises(ValueError, match=r"without has_aux=True"):
-        jaxaccum.value_and_grad(aux_loss, num_microbatches=2, aux_reduce="sum")
+    with pytest.raises(ValueError, match=r"jaxaccum.value_and_grad: has_aux.*\['median'\]"):
+        jaxaccum.value_and_grad(aux_loss, num_microbatches=2, has_aux="median")
+    with pytest.raises(ValueError, match=r"has_aux.*\['median'\]"):
+        jaxaccum.value_and_grad(aux_loss, num_microbatches=2, has_aux={"tokens": "median"})
+
+
+def test_two_carried_arguments_in_reversed_order_go_back_where_they_came_from():
+    """carry_argnums=(3, 2): new_carry comes back in that order, (for 3, for 2)."""
+
+    def loss(params, batch, a, b):
+        value = mse_loss(params, batch) * a["scale"] + b["shift"]
+        return value, ({"shift": b["shift"] + 1.0}, {"scale": a["scale"] * 2.0})
+
+    fn = jaxaccum.value_and_grad(loss, num_microbatches=3, carry_argnums=(3, 2))
+    a, b = {"scale": jnp.asarray(1.0)}, {"shift": jnp.asarray(0.0)}
+    batch = jax.tree.map(lambda x: x[:48], BATCH)
+    (value, (new_b, new_a)), _ = jax.jit(fn)(PARAMS, batch, a, b)
+    assert float(new_a["scale"]) == 8.0 and float(new_b["shift"]) == 3.0
+    micro = [jax.tree.map(lambda x, i=i: x[i::3], batch) for i in range(3)]
+    expected = sum(mse_loss(PARAMS, m) * 2.0 ** i + i for i, m in enumerate(micro)) / 3
+    assert float(value) == pytest.approx(float(expected), rel=1e-6)
+
+
+def test_aux_weighted_mean_leaves_out_a_skipped_microbatch_and_max_min_start_at_infinity():
+    def fn(params, batch):
+        x, y = batch
+        loss = mse_loss(params, batch)
+        m = jnp.mean(x[:, 0])
+        return loss, {"mean": m, "max": -1.0 - jnp.abs(m), "min": 1.0 + jnp.abs(m)}
+
+    x, y = BATCH
+    bad = (x.at[2].set(jnp.nan), y)  # strided micro-batch 2 of 4
+    spec = {"mean": "weighted_mean", "max": "max", "min": "min"}
+    (_, aux), _ = jax.jit(jaxaccum.value_and_grad(
+        fn, num_microbatches=4, has_aux=spec, skip_nonfinite=True))(PARAMS, bad)
+    kept = [jnp.mean(x[i::4, 0]) for i in (0, 1, 3)]
+    assert float(aux["mean"]) == pytest.approx(float(sum(kept) / 3), rel=1e-6)
+    (_, clean), _ = jax.jit(jaxaccum.value_and_grad(
+        fn, num_microbatches=4, has_aux=spec))(PARAMS, BATCH)
+    every = [jnp.mean(x[i::4, 0]) for i in range(4)]
+    assert float(clean["max"]) == pytest.approx(float(max(-1.0 - abs(m) for m in every)))
+    assert float(clean["min"]) == pytest.approx(float(min(1.0 + abs(m) for m in every)))
+    assert float(clean["max"]) < -1.0 and float(clean["min"]) > 1.0

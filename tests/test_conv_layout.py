@@ -198,3 +198,25 @@ def test_function_without_convolutions_is_traced_unchanged():
         jax.make_jaxpr(mlp)(params, x)
     )
     assert _conv_layout.canonical_convs(mlp)(params, x)[1] == {"n": 3}
+
+
+def test_convolutions_under_lax_cond_are_rewritten():
+    """A convolution inside a ``lax.cond`` branch of the loss (a cond's branches are jaxprs in
+    its params, as a scan's body is) is canonical in the compiled loop too."""
+
+    def branchy(params, batch):
+        x, y = batch
+        w = params["conv2"][:, :, :4, :4]
+
+        def conv(h):
+            return jax.nn.relu(jax.lax.conv_general_dilated(
+                h, w, (1, 1), "SAME", dimension_numbers=("NCHW", "HWIO", "NCHW")))
+
+        h = jnp.tile(jnp.moveaxis(x, -1, 1), (1, 4, 1, 1))
+        h = jax.lax.cond(jnp.sum(y) > -1e30, conv, lambda h: h * 2.0, h)
+        return jnp.mean((h.mean((2, 3)) @ params["dense"][:4] - y) ** 2)
+
+    hlo = jax.jit(jaxaccum.value_and_grad(branchy, num_microbatches=4)).lower(
+        PARAMS, BATCH).compile().as_text()
+    labels = [label for label, loop in _hlo.convolutions(hlo) if loop]
+    assert labels and set(labels) == {CANONICAL[4]}, labels

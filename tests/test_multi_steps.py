@@ -709,3 +709,28 @@ def test_has_updated_differs_from_optax_after_a_rejected_call():
     _, their_state = feed(theirs.gradient_transformation(), grads)
     assert not bool(ours.has_updated(state))
     assert bool(theirs.has_updated(their_state))
+
+
+def test_apply_if_finite_skips_only_the_window_with_a_nan():
+    """An inner optax.apply_if_finite skips the NaN window; the next window steps (the
+    accumulator is reset to zeros, not multiplied, so no NaN is left behind)."""
+    opt = jaxaccum.multi_steps(optax.apply_if_finite(optax.sgd(1.0), 10), every_k=2)
+    params = jnp.zeros(1)
+    state = opt.init(params)
+    moved = []
+    for g in (1.0, jnp.nan, 1.0, 1.0):
+        updates, state = opt.update(jnp.array([g]), state, params)
+        moved.append(float(updates[0]))
+    assert moved == [0.0, 0.0, 0.0, -1.0]
+    assert int(state.inner_opt_state.total_notfinite) == 1
+    assert float(state.acc_grads[0]) == 0.0
+
+
+def test_acc_grads_holds_the_weighted_sum_mid_window():
+    """The docstring's promise: mid-window, acc_grads is sum(w_i g_i) and acc_weight sum(w_i)."""
+    opt = jaxaccum.multi_steps(optax.sgd(1.0), every_k=3)
+    state = opt.init(jnp.zeros(2))
+    _, state = opt.update(jnp.array([1.0, 2.0]), state, weight=2.0)
+    _, state = opt.update(jnp.array([3.0, 5.0]), state, weight=1.0)
+    np.testing.assert_allclose(state.acc_grads, [5.0, 9.0])
+    assert float(state.acc_weight) == 3.0

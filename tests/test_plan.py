@@ -74,3 +74,11 @@ def test_with_optimizer_counts_state_and_donation():
 def test_bad_arguments(kwargs, message):
     with pytest.raises(ValueError, match=message):
         jaxaccum.plan_microbatches(loss, PARAMS, DATA, **kwargs)
+
+
+def test_candidates_are_tried_smallest_first_in_any_order_given():
+    generous = 2**31
+    plan = jaxaccum.plan_microbatches(loss, PARAMS, DATA, memory_budget=generous,
+                                      candidates=[8, 2, 4])
+    assert plan.num_microbatches == 2
+    assert list(plan.estimates) == [2]

@@ -39,8 +39,8 @@ def test_trajectory_equals_full_batch(name, k):
     params = copy(PARAMS)
     state = optimizer.init(params)
     for batch in BATCHES:
-        params, state, loss, aux = step(params, state, batch)
-    assert aux is None
+        params, state, loss, info = step(params, state, batch)
+    assert info.aux is None and int(info.num_microbatches) == k
     assert_within_rounding(params, expected, reference)
     moved = jax.tree.map(lambda a, b: a - b, expected, PARAMS)
     assert max(float(jnp.max(jnp.abs(m))) for m in jax.tree.leaves(moved)) > 1e-3
@@ -55,7 +55,8 @@ def test_loss_and_aux_returned():
     step = jaxaccum.train_step(loss_aux, optimizer, microbatch_size=16, has_aux=True)
     params = copy(PARAMS)
     expected_loss = mse_loss(PARAMS, BATCHES[0])
-    _, _, loss, aux = step(params, optimizer.init(params), BATCHES[0])
+    _, _, loss, info = step(params, optimizer.init(params), BATCHES[0])
+    aux = info.aux
     assert aux["loss"].shape == (4,)
     assert_trees_close(loss, expected_loss, 1e-6)
     assert_trees_close(jnp.mean(aux["loss"]), expected_loss, 1e-6)
@@ -111,7 +112,7 @@ def test_skip_nonfinite_step_uses_remaining_examples():
     step = jaxaccum.train_step(mse_loss, optimizer, num_microbatches=4, skip_nonfinite=True)
     params = copy(PARAMS)
     params, state, _, info = step(params, optimizer.init(params), bad)
-    assert int(info["skipped"]) == 1
+    assert int(info.skipped) == 1
     assert_within_rounding(params, expected, reference)
 
 
@@ -123,7 +124,7 @@ def test_skip_nonfinite_all_bad_leaves_params_and_state():
     )
     state = optimizer.init(PARAMS)
     params, new_state, _, info = step(PARAMS, state, (x * jnp.nan, y))
-    assert int(info["skipped"]) == 4
+    assert int(info.skipped) == 4
     assert max_rel_diff(params, PARAMS) == 0.0
     assert int(new_state[0].count) == 0
 

@@ -249,8 +249,8 @@ def train(
     for _ in range(steps):
         x, y = stream.next_batch(batch * microbatches)
         hash_host += float(np.sum(x, dtype=np.float64))
-        params, opt_state, loss, pixels = step(params, opt_state, (x, y))
-        hash_device = hash_device + jnp.sum(pixels)
+        params, opt_state, loss, info = step(params, opt_state, (x, y))
+        hash_device = hash_device + jnp.sum(info.aux)
         losses.append(loss)
         if progress:
             progress()

@@ -1,0 +1,173 @@
+"""Which arguments of the user's function are differentiated, split or carried, and what it
+returns: the :class:`Accumulation` every pipeline stage reads."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+from jaxaccum import _options, _validation
+
+
+@dataclasses.dataclass(frozen=True)
+class Accumulation:
+    """One accumulated function: ``fun``, how its arguments are used, and the options.
+
+    Attributes:
+      fun: the loss function (for carried arguments it returns ``(output, new_carry)``).
+      entry: the public entry point the user called, for error messages.
+      argnums: as given (an int or a tuple), so gradients come back shaped like ``jax.grad``'s.
+      diff: the differentiated positions, as a tuple.
+      split: the positions of the batch arguments, split into micro-batches.
+      carry: the positions threaded through the micro-batches.
+      options: the shared :class:`jaxaccum.Options`.
+      pin_in_loop: tie the differentiated arguments to the loop carry, so that work on them
+        inside ``fun`` (a per-micro-batch all-gather, ZeRO-3) is not hoisted out of the loop.
+    """
+
+    fun: Callable[..., Any]
+    entry: str
+    argnums: int | tuple[int, ...]
+    diff: tuple[int, ...]
+    split: tuple[int, ...]
+    carry: tuple[int, ...]
+    options: _options.Options
+    pin_in_loop: bool = False
+
+    def differentiated(self, args: tuple[Any, ...]) -> Any:
+        """The differentiated arguments, shaped as ``jax.grad`` returns their gradients."""
+        if isinstance(self.argnums, int):
+            return args[self.argnums]
+        return tuple(args[i] for i in self.diff)
+
+    def replace_differentiated(self, args: tuple[Any, ...], new: Any) -> tuple[Any, ...]:
+        """``args`` with the differentiated arguments replaced by ``new``."""
+        values = (new,) if isinstance(self.argnums, int) else new
+        return replace(args, self.diff, values)
+
+    def carried(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        """The carried arguments, as a tuple."""
+        return tuple(args[i] for i in self.carry)
+
+    def with_carry(self, args: tuple[Any, ...], carry: tuple[Any, ...]) -> tuple[Any, ...]:
+        """``args`` with the carried arguments replaced by ``carry``."""
+        return replace(args, self.carry, carry)
+
+    def batch(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        """The batch arguments, as a tuple."""
+        return tuple(args[i] for i in self.split)
+
+    def with_batch(self, args: tuple[Any, ...], batch: tuple[Any, ...]) -> tuple[Any, ...]:
+        """``args`` with the batch arguments replaced by ``batch`` (one micro-batch)."""
+        return replace(args, self.split, batch)
+
+    def with_fun(self, fun: Callable[..., Any], *, pin_in_loop: bool = False) -> Accumulation:
+        """The same accumulation of another function (a placement's wrapper of ``fun``)."""
+        return dataclasses.replace(self, fun=fun, pin_in_loop=self.pin_in_loop or pin_in_loop)
+
+    def split_output(self, out: Any) -> tuple[Any, Any, Any, tuple[Any, ...]]:
+        """``fun``'s output as ``(loss, weight, aux, new_carry)``, its structure checked."""
+        out, new_carry = self._split_carry(out)
+        weighted, has_aux = self.options.weighted, self.options.aux_spec is not None
+        expected = {
+            (False, False): "loss",
+            (True, False): "(loss, aux)",
+            (False, True): "(loss, weight)",
+            (True, True): "((loss, weight), aux)",
+        }[has_aux, weighted]
+
+        def pair(value: Any, what: str) -> tuple[Any, Any]:
+            if not (isinstance(value, (tuple, list)) and len(value) == 2):
+                raise TypeError(
+                    f"{self.entry}: the loss function must return {expected} (has_aux="
+                    f"{self.options.has_aux!r}, weighted={weighted}); {what} is "
+                    f"{type(value).__name__}: {value!r}"
+                )
+            return value[0], value[1]
+
+        aux = weight = None
+        if has_aux:
+            out, aux = pair(out, "its output")
+        if weighted:
+            out, weight = pair(out, "(loss, weight)")
+        return out, weight, aux, new_carry
+
+    def _split_carry(self, out: Any) -> tuple[Any, tuple[Any, ...]]:
+        if not self.carry:
+            return out, ()
+        if not (isinstance(out, (tuple, list)) and len(out) == 2):
+            raise TypeError(
+                f"{self.entry}: with carry_argnums={self.carry}, the loss function must return "
+                f"(output, new_carry); got {type(out).__name__}: {out!r}"
+            )
+        new = out[1] if len(self.carry) > 1 else (out[1],)
+        if not (isinstance(new, (tuple, list)) and len(new) == len(self.carry)):
+            raise TypeError(
+                f"{self.entry}: with carry_argnums={self.carry}, new_carry must be a tuple of "
+                f"{len(self.carry)} values; got {type(out[1]).__name__}"
+            )
+        return out[0], tuple(new)
+
+    def bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Accumulation:
+        """Checks a call's positional count; binds keyword arguments (passed whole to every
+        micro-batch: never split, never differentiated, as in ``jax.value_and_grad``)."""
+        needed = max(self.diff + self.split + self.carry) + 1
+        if len(args) < needed:
+            raise TypeError(
+                f"{self.entry}: argnums={self.argnums!r}, batch_argnums={self.split!r} need at "
+                f"least {needed} positional arguments; got {len(args)} (keyword arguments are "
+                "passed whole to every micro-batch: pass the batch positionally)"
+            )
+        if not kwargs:
+            return self
+        return self.with_fun(functools.partial(self.fun, **kwargs))
+
+
+def replace(args: tuple[Any, ...], at: tuple[int, ...], values: Any) -> tuple[Any, ...]:
+    """``args`` with the positions ``at`` replaced by ``values``."""
+    replaced = list(args)
+    for i, value in zip(at, values, strict=True):
+        replaced[i] = value
+    return tuple(replaced)
+
+
+def make(
+    entry: str,
+    fun: Callable[..., Any],
+    options: _options.Options,
+    *,
+    argnums: int | tuple[int, ...] = 0,
+    batch_argnums: int | tuple[int, ...] = 1,
+    carry_argnums: int | tuple[int, ...] = (),
+) -> Accumulation:
+    """Checks the argument positions and fixes them, with ``fun`` and ``options``."""
+    if not callable(fun):
+        raise TypeError(f"{entry}: the loss function must be callable; got {type(fun).__name__}")
+    diff = _validation.argnums_tuple(argnums, f"{entry}: argnums")
+    split = _validation.argnums_tuple(batch_argnums, f"{entry}: batch_argnums")
+    if set(diff) & set(split):
+        raise ValueError(
+            f"{entry}: argnums={argnums!r} and batch_argnums={batch_argnums!r} overlap; the "
+            "batch is split and cannot be differentiated as a whole"
+        )
+    carry = () if carry_argnums == () else _validation.argnums_tuple(
+        carry_argnums, f"{entry}: carry_argnums"
+    )
+    clash = set(carry) & (set(diff) | set(split))
+    if clash:
+        raise ValueError(
+            f"{entry}: carry_argnums={carry_argnums!r} overlaps argnums={argnums!r} or "
+            f"batch_argnums={batch_argnums!r} at {sorted(clash)}: a carried argument is "
+            "threaded through the micro-batches, neither differentiated nor split"
+        )
+    return Accumulation(
+        fun=fun,
+        entry=entry,
+        argnums=argnums if isinstance(argnums, int) else diff,
+        diff=diff,
+        split=split,
+        carry=carry,
+        options=options,
+    )

@@ -1,0 +1,215 @@
+"""The accumulation options, defined and validated once for every front end.
+
+Every front end (:func:`jaxaccum.value_and_grad`, :func:`jaxaccum.train_step`,
+``jaxaccum.nnx.value_and_grad`` / ``train_step``, ``jaxaccum.linen.train_step``) takes these
+options as keywords and builds one :class:`Options` with :func:`parse`, which names the entry
+point the user called in every error. What a front end adds of its own (``argnums``,
+``batch_argnums``, ``carry_argnums``, ``donate``, ``wrt``) is not an option here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.typing import DTypeLike
+
+from jaxaccum import _reductions, _validation
+
+FSDP_MODES = ("step", "microbatch")
+
+# Options that existed once: what to write instead.
+RENAMED = {
+    "aux_reduce": "has_aux=<reduction>: has_aux takes True (stack), a reduction name such as "
+    "'concat' or 'sum', or a tree of names",
+    "data_axis": "mesh=jaxaccum.DataParallel(mesh, data_axis=...)",
+    "fsdp": "mesh=jaxaccum.DataParallel(mesh, data_axis=..., fsdp=...)",
+    "param_shardings": "mesh=jaxaccum.DataParallel(mesh, ..., param_shardings=...)",
+    "remat": "wrap your loss in jax.checkpoint yourself (the option is gone: remat inside the "
+    "micro-step saved no memory in the benchmarks, the micro-batch already bounds activations)",
+    "unroll": "nothing: the micro-batch loop is a rolled lax.scan (unrolling was never faster "
+    "in the benchmarks)",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class DataParallel:
+    """A mesh and how jaxaccum uses it: the one ``mesh=`` option for sharded training.
+
+    jaxaccum handles only the mesh's *data* axes (the batch's leading axis is split over them
+    and the gradients are reduced over them once per step); every other axis (tensor parallel
+    ``"model"``, ...) stays with JAX's partitioner, and parameters keep the shardings they
+    arrive with.
+
+    Attributes:
+      mesh: the ``jax.sharding.Mesh``. Explicit axes (``jax.make_mesh``'s default) need the
+        mesh in context (``with jax.set_mesh(mesh):``) where you call ``value_and_grad``.
+      data_axis: the mesh axis, or tuple of axes, the batch is split over; may be omitted for
+        a one-axis mesh.
+      fsdp: for parameters sharded over a data axis (FSDP/ZeRO): ``"step"`` gathers each once
+        per step (a transient full parameter and gradient per device); ``"microbatch"``
+        gathers it in every micro-batch and reduce-scatters every micro-batch's gradient into
+        a sharded accumulator (ZeRO-3: less memory, k times the traffic).
+      param_shardings: only for Auto-axis meshes when you call ``value_and_grad`` under your
+        own ``jax.jit``, where tracers carry no sharding: the shardings (``PartitionSpec`` or
+        ``NamedSharding`` leaves) of the differentiated arguments, a tree like them. Without
+        it an FSDP parameter is taken as replicated (exact, but gathered).
+
+    Raises:
+      TypeError: ``mesh`` is not a ``jax.sharding.Mesh``.
+      ValueError: ``data_axis`` is missing on a mesh with several axes or names no axis of
+        the mesh; ``fsdp`` is not ``"step"`` or ``"microbatch"``.
+
+    Example:
+      >>> import jax, jaxaccum
+      >>> mesh = jax.make_mesh((1,), ("data",))
+      >>> jaxaccum.DataParallel(mesh).axes
+      ('data',)
+    """
+
+    mesh: jax.sharding.Mesh
+    data_axis: str | tuple[str, ...] | None = None
+    fsdp: str = "step"
+    param_shardings: Any = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.mesh, jax.sharding.Mesh):
+            raise TypeError(
+                f"jaxaccum.DataParallel: mesh must be a jax.sharding.Mesh; got "
+                f"{type(self.mesh).__name__}"
+            )
+        if self.fsdp not in FSDP_MODES:
+            raise ValueError(
+                f"jaxaccum.DataParallel: fsdp must be one of {FSDP_MODES}; got {self.fsdp!r}"
+            )
+        names = self.mesh.axis_names
+        if self.data_axis is None and len(names) != 1:
+            raise ValueError(
+                f"jaxaccum.DataParallel: data_axis must name the batch axis (or axes) of a mesh "
+                f"with several axes; the mesh axes are {names}: e.g. "
+                f"DataParallel(mesh, data_axis={names[0]!r})"
+            )
+        missing = [a for a in self.axes if a not in names]
+        if missing or not self.axes:
+            raise ValueError(
+                f"jaxaccum.DataParallel: data_axis={self.data_axis!r} is not an axis of the "
+                f"mesh; the mesh axes are {names}"
+            )
+
+    @property
+    def axes(self) -> tuple[str, ...]:
+        """The data axes as a tuple, in the order the batch is split over them."""
+        if self.data_axis is None:
+            return tuple(self.mesh.axis_names)
+        return (self.data_axis,) if isinstance(self.data_axis, str) else tuple(self.data_axis)
+
+    @property
+    def explicit(self) -> bool:
+        """Whether the data axes are Explicit (sharding in types) rather than Auto."""
+        types = dict(zip(self.mesh.axis_names, self.mesh.axis_types, strict=True))
+        return all(types[a] == jax.sharding.AxisType.Explicit for a in self.axes)
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """The accumulation options every front end shares (pass them as keywords).
+
+    Attributes:
+      num_microbatches: k, the number of micro-batches (per device on a mesh); it must divide
+        the batch size. Exactly one of this and ``microbatch_size``.
+      microbatch_size: the size of each micro-batch instead of k.
+      has_aux: whether ``fun`` returns ``(loss, aux)``, and how the aux values of the k
+        micro-batches are combined: ``False``; ``True`` or ``"stack"`` (a new leading axis of
+        length k, one entry per micro-batch); ``"concat"`` (per-example values concatenated
+        back into the batch's own order, as the full batch would return them: logits,
+        per-example losses); ``"sum"``, ``"mean"``, ``"weighted_mean"`` (by the micro-batch
+        weights), ``"max"``, ``"min"``, ``"last"``; or a pytree prefix of the aux with those
+        names as leaves, e.g. ``{"logits": "concat", "tokens": "sum"}``.
+      weighted: ``fun`` returns ``(loss, weight)`` (with aux ``((loss, weight), aux)``): the
+        mean over the micro-batch's valid items and their count; the result is the exact mean
+        over all valid items of the batch.
+      skip_nonfinite: leave out every micro-batch whose loss or gradient holds a NaN or an
+        infinity and renormalise over the others (0 if none remains; the steps then make no
+        update). Without it a NaN propagates to the result: nothing is masked silently.
+      accumulator_dtype: the dtype gradients and losses are summed in (never narrower than a
+        leaf); ``None`` sums in each leaf's own dtype.
+      mesh: data parallelism: a one-axis ``jax.sharding.Mesh`` (all of it data), or a
+        :class:`DataParallel` naming the data axes, the FSDP choice and parameter shardings.
+    """
+
+    num_microbatches: int | None = None
+    microbatch_size: int | None = None
+    has_aux: Any = False
+    weighted: bool = False
+    skip_nonfinite: bool = False
+    accumulator_dtype: DTypeLike | None = jnp.float32
+    mesh: Any = None
+
+    @property
+    def aux_spec(self) -> Any:
+        """The aux reduction spec, or None without aux (``True`` means ``"stack"``)."""
+        if self.has_aux is False:
+            return None
+        return "stack" if self.has_aux is True else self.has_aux
+
+    @property
+    def data_parallel(self) -> DataParallel | None:
+        """The mesh option as a :class:`DataParallel` (None without a mesh)."""
+        if self.mesh is None or isinstance(self.mesh, DataParallel):
+            return self.mesh
+        return DataParallel(self.mesh)
+
+    @property
+    def divides_safely(self) -> bool:
+        """Whether the total weight can be 0 (weighted, or every micro-batch skipped)."""
+        return self.weighted or self.skip_nonfinite
+
+
+def _check_bool(entry: str, name: str, value: Any) -> None:
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{entry}: {name} must be a bool; got {value!r}")
+
+
+def parse(entry: str, options: dict[str, Any]) -> Options:
+    """Builds the :class:`Options` for a call of ``entry`` (e.g. ``"jaxaccum.train_step"``).
+
+    Every error names ``entry``, the option, what was expected and received, and the fix.
+    """
+    fields = {f.name for f in dataclasses.fields(Options)}
+    for name in options:
+        if name in fields:
+            continue
+        if name in RENAMED:
+            raise TypeError(f"{entry}: the option {name}= is gone; write {RENAMED[name]}")
+        raise TypeError(
+            f"{entry} got an unknown option {name}=; the options are {sorted(fields)} (see "
+            "jaxaccum.Options)"
+        )
+    out = Options(**options)
+    _validation.exactly_one_count(out.num_microbatches, out.microbatch_size, entry)
+    _check_bool(entry, "weighted", out.weighted)
+    _check_bool(entry, "skip_nonfinite", out.skip_nonfinite)
+    if out.accumulator_dtype is not None:
+        try:
+            jnp.dtype(out.accumulator_dtype)
+        except TypeError:
+            raise TypeError(
+                f"{entry}: accumulator_dtype must be a dtype or None; got "
+                f"{out.accumulator_dtype!r}"
+            ) from None
+    if out.aux_spec is not None and not isinstance(out.has_aux, (bool, np.bool_)):
+        _reductions.check_aux_spec(entry, out.aux_spec)
+    if out.mesh is not None and not isinstance(out.mesh, (DataParallel, jax.sharding.Mesh)):
+        raise TypeError(
+            f"{entry}: mesh must be a jax.sharding.Mesh or a jaxaccum.DataParallel; got "
+            f"{type(out.mesh).__name__}"
+        )
+    if isinstance(out.mesh, jax.sharding.Mesh) and len(out.mesh.axis_names) != 1:
+        raise ValueError(
+            f"{entry}: mesh has the axes {out.mesh.axis_names}; name the data axes with "
+            f"mesh=jaxaccum.DataParallel(mesh, data_axis={out.mesh.axis_names[0]!r})"
+        )
+    return out

@@ -1,0 +1,277 @@
+"""The accumulation pipeline, written once: split -> micro-step -> accumulate -> reduce ->
+finalize.
+
+Each stage is a module-level function; :func:`run` chains them. What differs between one
+device, Auto meshes and Explicit meshes (where parameters enter the loop, how the micro-step
+function is wrapped, where accumulators live, how the sums are reduced over the data axes) is
+a :class:`jaxaccum._placement.Placement`'s few hooks; what differs between front ends is only
+what they add around :func:`run`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jaxaccum import _conv_layout, _reductions, _validation
+from jaxaccum._arguments import Accumulation
+
+if TYPE_CHECKING:
+    from jaxaccum._placement import Placement
+
+
+class Sums(NamedTuple):
+    """What one device accumulates before the final division.
+
+    Attributes:
+      loss: the sum over micro-batches of ``weight_i * loss_i`` (unweighted: ``weight_i = 1``).
+      grads: the matching sum of gradients, in the accumulator dtype.
+      weight: float32, the sum of the weights (unweighted: the number of micro-batches).
+      skipped: int32, micro-batches left out for a non-finite loss or gradient.
+      carry: the carried arguments' current values (a tuple, one per carried argument).
+      aux: one accumulator per aux leaf (None where the leaf is stacked by the scan).
+    """
+
+    loss: jax.Array
+    grads: Any
+    weight: jax.Array
+    skipped: jax.Array
+    carry: Any = ()
+    aux: Any = None
+
+
+class Result(NamedTuple):
+    """What :func:`run` returns, before a front end shapes it.
+
+    Attributes:
+      loss: the (weighted) mean loss over the batch, in the loss's dtype.
+      grads: its gradient, with the dtypes of the differentiated arguments.
+      aux: the aux value combined across micro-batches as ``has_aux`` says (None without).
+      weight: float32 scalar, the total weight (unweighted: the micro-batches kept).
+      skipped: int32 scalar, micro-batches left out by ``skip_nonfinite``.
+      num_microbatches: the micro-batches evaluated (a Python int; on an Auto mesh, k per
+        device times the data-parallel devices).
+      carry: the carried arguments' final values (a tuple), ``()`` without them.
+    """
+
+    loss: jax.Array
+    grads: Any
+    aux: Any
+    weight: jax.Array
+    skipped: jax.Array
+    num_microbatches: int
+    carry: Any = ()
+
+
+class Shapes(NamedTuple):
+    """The abstract output of ``fun`` on one micro-batch: ``loss`` and ``aux`` (shape, dtype)."""
+
+    loss: Any
+    aux: Any
+
+
+# --- split --------------------------------------------------------------------------------------
+
+
+def split(acc: Accumulation, args: tuple[Any, ...], k: int) -> tuple[Any, ...]:
+    """Each batch leaf viewed as ``(B/k, k, ...)`` (a reshape, no copy): micro-batch i is
+    ``view[:, i]``, the **strided** examples i, i + k, i + 2k, ... A batch sharded over devices
+    in contiguous blocks (of any size k divides) is split where it lies."""
+
+    def view(x: Any) -> jax.Array:
+        x = jnp.asarray(x)
+        return x.reshape((x.shape[0] // k, k, *x.shape[1:]))
+
+    return tuple(jax.tree.map(view, b) for b in acc.batch(args))
+
+
+def take(views: tuple[Any, ...], i: Any) -> tuple[Any, ...]:
+    """Micro-batch ``i`` of :func:`split`'s views, gathered inside the loop."""
+    return jax.tree.map(lambda v: jax.lax.dynamic_index_in_dim(v, i, axis=1, keepdims=False), views)
+
+
+def shapes(acc: Accumulation, args: tuple[Any, ...], views: tuple[Any, ...]) -> Shapes:
+    """Traces ``fun`` abstractly on one micro-batch; checks what it returns.
+
+    The loss (and weight) must be scalars; every carried argument must come back with the
+    structure, shapes and dtypes it came in with; ``"concat"`` aux leaves must be per example.
+    """
+
+    def first(v: tuple[Any, ...]) -> Any:  # indexing inside keeps sharding types
+        return acc.fun(*acc.with_batch(args, take(v, 0)))
+
+    loss, weight, aux, new_carry = acc.split_output(jax.eval_shape(first, views))
+    _validation.scalar(loss, f"{acc.entry}: the loss returned by the loss function",
+                       floating=True)
+    if acc.options.weighted:
+        _validation.scalar(weight, f"{acc.entry}: the weight returned by the loss function "
+                           "(weighted=True)", floating=False)
+    for i, old, new in zip(acc.carry, acc.carried(args), new_carry, strict=True):
+        _validation.same_structure(old, new, f"{acc.entry}: carry_argnums: argument {i}")
+    if acc.options.aux_spec is not None:
+        size = jax.tree.leaves(views)[0].shape[0]
+        _reductions.check_concat(acc.entry, acc.options.aux_spec, aux, size)
+    return Shapes(loss, aux)
+
+
+# --- micro-step ---------------------------------------------------------------------------------
+
+
+def init_sums(
+    acc: Accumulation, args: tuple[Any, ...], out: Shapes, placement: Placement
+) -> Sums:
+    """The accumulators before the first micro-batch."""
+    aux = None
+    if acc.options.aux_spec is not None:
+        plan = _reductions.aux_plan(acc.entry, acc.options.aux_spec, out.aux)
+        aux = [None if r.stacked else r.init(jnp.shape(x), _reductions.leaf_dtype(x))
+               for r, x in zip(plan, jax.tree.leaves(out.aux), strict=True)]
+    dtype = acc.options.accumulator_dtype
+    return Sums(
+        loss=jnp.zeros((), _reductions.accumulator_dtype_for(out.loss.dtype, dtype)),
+        grads=placement.zeros(acc.differentiated(args), dtype),
+        weight=jnp.zeros((), jnp.float32),
+        skipped=jnp.zeros((), jnp.int32),
+        carry=tuple(jax.tree.map(jnp.asarray, c) for c in acc.carried(args)),
+        aux=aux,
+    )
+
+
+def micro_step(
+    acc: Accumulation, args: tuple[Any, ...], sums: Sums, placement: Placement
+) -> tuple[Sums, Any]:
+    """``fun`` and its gradient on one micro-batch (``args`` holds it), added into ``sums``.
+
+    The carried arguments come from ``sums.carry`` and their new values go back into it (a
+    skipped micro-batch's are dropped). Returns the new sums and the aux leaves the scan stacks.
+    """
+    opts = acc.options
+
+    def with_weight(*a: Any) -> tuple[jax.Array, tuple[Any, Any, Any]]:
+        loss, weight, aux, new_carry = acc.split_output(acc.fun(*a))
+        return loss, (weight, aux, new_carry)
+
+    # XLA:CPU canonicalises convolution layouts only in the entry computation: in this loop
+    # body autodiff's gradient convolutions would run as naive loops (see _conv_layout).
+    grad_fun = _conv_layout.canonical_convs(
+        jax.value_and_grad(with_weight, argnums=acc.argnums, has_aux=True)
+    )
+    args = acc.with_carry(args, sums.carry)
+    if acc.pin_in_loop:
+        pinned, sums = jax.lax.optimization_barrier((acc.differentiated(args), sums))
+        args = acc.replace_differentiated(args, pinned)
+    (loss, (weight, aux, new_carry)), grads = grad_fun(*args)
+    loss = loss.astype(sums.loss.dtype)
+    w = jnp.ones((), jnp.float32) if weight is None else jax.lax.stop_gradient(weight)
+    w = jnp.asarray(w).astype(jnp.float32)
+    skipped, bad = sums.skipped, None
+    if opts.skip_nonfinite:
+        finite, grads = placement.finite(loss, grads)
+        w, bad = _reductions.skip_if_nonfinite(w, finite)
+        skipped = skipped + bad.astype(jnp.int32)
+        new_carry = jax.tree.map(lambda old, new: jnp.where(bad, old, new), sums.carry, new_carry)
+    plain = weight is None and not opts.skip_nonfinite  # every weight 1: no NaN to mask
+    new = Sums(
+        loss=sums.loss + loss if plain else _reductions.weighted_add(sums.loss, loss, w),
+        grads=jax.tree.map(lambda a, g: placement.add(a, g, None if plain else w), sums.grads,
+                           grads),
+        weight=sums.weight + 1 if plain else _reductions.add_weight(sums.weight, w),
+        skipped=skipped,
+        carry=jax.tree.map(lambda old, n: jnp.asarray(n).astype(old.dtype), sums.carry,
+                           tuple(new_carry)),
+        aux=sums.aux,
+    )
+    if opts.aux_spec is None:
+        return new, None
+    plan = _reductions.aux_plan(acc.entry, opts.aux_spec, aux)
+    leaves = [jnp.asarray(x) for x in jax.tree.leaves(aux)]
+    stacked = [x if r.stacked else None for r, x in zip(plan, leaves, strict=True)]
+    accs = [a if r.stacked else r.update(a, x, w)
+            for r, a, x in zip(plan, sums.aux, leaves, strict=True)]
+    if bad is not None:  # a skipped micro-batch adds nothing to the reduced aux either
+        accs = [new_acc if r.stacked else jnp.where(bad, old, new_acc)
+                for r, old, new_acc in zip(plan, sums.aux, accs, strict=True)]
+    return new._replace(aux=accs), stacked
+
+
+# --- accumulate ---------------------------------------------------------------------------------
+
+
+def accumulate(
+    acc: Accumulation, args: tuple[Any, ...], views: tuple[Any, ...], start: Sums, k: int,
+    placement: Placement,
+) -> tuple[Sums, Any]:
+    """Runs :func:`micro_step` over the ``k`` micro-batches in one rolled ``lax.scan`` (each
+    micro-batch gathered from the views inside the loop); no scan when ``k == 1``."""
+
+    def body(sums: Sums, i: Any) -> tuple[Sums, Any]:
+        return micro_step(acc, acc.with_batch(args, take(views, i)), sums, placement)
+
+    if k == 1:
+        sums, ys = body(start, 0)
+        return sums, jax.tree.map(lambda y: jnp.expand_dims(y, 0), ys)
+    return jax.lax.scan(body, start, jnp.arange(k))  # type: ignore[no-any-return]
+
+
+# --- finalize -----------------------------------------------------------------------------------
+
+
+def finalize(
+    acc: Accumulation, sums: Sums, ys: Any, args: tuple[Any, ...], out: Shapes, count: int
+) -> tuple[jax.Array, Any, Any]:
+    """Divides the (reduced) sums by the total weight once, casts the gradients to their
+    arguments' dtypes, and finishes the aux leaves (``count`` micro-batches)."""
+    if acc.options.divides_safely:
+        loss = _reductions.safe_divide(sums.loss, sums.weight)
+        grads = _reductions.safe_divide(sums.grads, sums.weight)
+    else:
+        loss = sums.loss / sums.weight
+        grads = jax.tree.map(lambda g: g / sums.weight.astype(g.dtype), sums.grads)
+    grads = _reductions.cast_like(grads, acc.differentiated(args))
+    aux = None
+    if acc.options.aux_spec is not None:
+        plan = _reductions.aux_plan(acc.entry, acc.options.aux_spec, out.aux)
+        leaves = [r.finalize(y if r.stacked else a, sums.weight, count)
+                  for r, a, y in zip(plan, sums.aux, ys, strict=True)]
+        aux = jax.tree.unflatten(jax.tree.structure(out.aux), leaves)
+    return loss.astype(out.loss.dtype), grads, aux
+
+
+# --- the whole pipeline -------------------------------------------------------------------------
+
+
+def per_device(
+    acc: Accumulation, args: tuple[Any, ...], k: int, placement: Placement
+) -> Result:
+    """The pipeline on the arguments one placement sees: split -> micro-steps -> accumulate ->
+    reduce -> finalize. On an Auto mesh this runs inside the placement's ``shard_map``."""
+    acc, args, placement = placement.enter(acc, args)
+    with jax.named_scope("jaxaccum.split"):
+        views = split(acc, args, k)
+        out = shapes(acc, args, views)
+    start = init_sums(acc, args, out, placement)
+    with jax.named_scope("jaxaccum.accumulate"):
+        sums, ys = accumulate(acc, args, views, start, k, placement)
+    with jax.named_scope("jaxaccum.reduce"):
+        sums = placement.reduce(acc, sums, out)
+    with jax.named_scope("jaxaccum.finalize"):
+        count = placement.count(k)
+        loss, grads, aux = finalize(acc, sums, ys, args, out, count)
+    return Result(loss, grads, aux, sums.weight, sums.skipped, count, sums.carry)
+
+
+def run(acc: Accumulation, args: tuple[Any, ...], placement: Placement) -> Result:
+    """The whole pipeline on positional ``args``, placed by ``placement``."""
+    batch_size = _validation.leading_batch_size(args, acc.split, acc.entry)
+    _validation.floating_leaves(
+        acc.differentiated(args), f"{acc.entry}: argnums",
+        "gradients need floating (or complex) leaves",
+    )
+    opts = acc.options
+    local = placement.local_batch_size(acc, batch_size)
+    k = _validation.resolve_num_microbatches(
+        local, opts.num_microbatches, opts.microbatch_size, acc.entry, placement.devices
+    )
+    return placement.run(acc, args, k)

@@ -1,0 +1,137 @@
+"""The public :func:`value_and_grad`: ``jax.value_and_grad`` over k micro-batches."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+from jaxaccum import _arguments, _options, _pipeline, _placement, _pytrees
+from jaxaccum._arguments import Accumulation
+
+ENTRY = "jaxaccum.value_and_grad"
+
+
+def shape_value(acc: Accumulation, res: _pipeline.Result, with_carry: bool = True) -> Any:
+    """The value as ``jax.value_and_grad`` shapes it: the loss, or ``(loss, aux)``; with
+    carried arguments (and ``with_carry``) ``(that, carried)``."""
+    value = res.loss if acc.options.aux_spec is None else (res.loss, res.aux)
+    if acc.carry and with_carry:
+        return value, carried_value(acc, res.carry)
+    return value
+
+
+def carried_value(acc: Accumulation, carry: tuple[Any, ...]) -> Any:
+    """The carried values as the caller gave ``carry_argnums``: one value for one position."""
+    return carry if len(acc.carry) > 1 else carry[0]
+
+
+def filtered(acc: Accumulation, args: tuple[Any, ...]) -> tuple[Accumulation, tuple[Any, ...]]:
+    """Differentiated arguments that are Equinox modules (or hold leaves that are no arrays)
+    are split as ``eqx.partition(tree, eqx.is_inexact_array)``: the inexact arrays are
+    differentiated, everything else is passed through; their gradients hold None there, as
+    with ``eqx.filter_value_and_grad``."""
+    trees = [args[i] for i in acc.diff]
+    for i, tree in zip(acc.diff, trees, strict=True):
+        _pytrees.check_parameters(acc.entry, tree, f"argument {i} (differentiated)")
+    if not any(map(_pytrees.needs_filter, trees)):
+        return acc, args
+    parts = [_pytrees.partition(t) for t in trees]
+    fun = acc.fun
+
+    def with_static(*a: Any) -> Any:
+        whole = [_pytrees.combine(a[i], static) for i, (_, static) in zip(acc.diff, parts,
+                                                                          strict=True)]
+        return fun(*_arguments.replace(a, acc.diff, whole))
+
+    return acc.with_fun(with_static), _arguments.replace(args, acc.diff, [p for p, _ in parts])
+
+
+def call(acc: Accumulation, args: tuple[Any, ...], hints: Any = None) -> _pipeline.Result:
+    """One accumulated call of ``acc`` on positional ``args``: what every front end runs.
+
+    ``hints`` are argument shardings read before tracing (Auto meshes); without them those
+    of ``DataParallel.param_shardings`` are used.
+    """
+    acc, args = filtered(acc, args)
+    dp = acc.options.data_parallel
+    if hints is None and dp is not None and not dp.explicit:
+        hints = _placement.param_hints(acc.entry, dp, args, acc.argnums)
+    return _pipeline.run(acc, args, _placement.placement_for(acc.options, hints))
+
+
+def value_and_grad(
+    fun: Callable[..., Any],
+    *,
+    argnums: int | tuple[int, ...] = 0,
+    batch_argnums: int | tuple[int, ...] = 1,
+    carry_argnums: int | tuple[int, ...] = (),
+    **options: Any,
+) -> Callable[..., tuple[Any, Any]]:
+    """Like ``jax.value_and_grad``, but the batch is processed as k micro-batches in one scan.
+
+    The arguments named by ``batch_argnums`` (pytrees whose leaves share a leading batch axis)
+    are split into k micro-batches of equal size, **strided**: micro-batch i holds examples
+    i, i + k, i + 2k, ... (so a batch sharded over devices is split where it lies). ``fun`` and
+    its gradient are evaluated on each inside one ``jax.lax.scan``; losses and gradients are
+    summed in ``accumulator_dtype`` and divided once. Live activations scale like ``1/k``; no
+    parameter-sized state persists between calls. With ``k == 1`` no scan is emitted.
+
+    ``fun(*args, **kwargs)`` returns the **mean** loss over the examples it is given; then the
+    result equals ``jax.value_and_grad(fun, argnums, has_aux)(*args, **kwargs)`` on the full
+    batch, up to float rounding. Keyword arguments are passed whole to every micro-batch:
+    neither split nor differentiated. An Equinox module passed as a differentiated argument is
+    filtered as ``eqx.filter_value_and_grad`` does (its inexact arrays are differentiated, the
+    rest passed through; the gradient holds None there).
+
+    Args:
+      fun: the loss function.
+      argnums: which positional arguments to differentiate, as in ``jax.grad``.
+      batch_argnums: which positional arguments carry the batch (split into micro-batches).
+      carry_argnums: positions of arguments threaded through the micro-batches, micro-batch
+        i + 1 seeing the value micro-batch i returned, as k sequential calls would (BatchNorm
+        statistics, RNG counters). ``fun`` then returns ``(output, new_value)`` (a tuple of
+        new values, in the order of ``carry_argnums``, for several), each with the structure,
+        shapes and dtypes it came in with. With ``skip_nonfinite`` a skipped micro-batch's
+        update is dropped. On a mesh its axes must be Explicit.
+      **options: the accumulation options, as :class:`jaxaccum.Options` documents them:
+        ``num_microbatches`` or ``microbatch_size`` (exactly one), ``has_aux``, ``weighted``,
+        ``skip_nonfinite``, ``accumulator_dtype``, ``mesh``.
+
+    Returns:
+      A function with the signature of ``fun`` returning ``(value, grads)``: ``value`` is the
+      loss, or ``(loss, aux)`` with ``has_aux``; with ``carry_argnums`` ``(that, carried)``.
+
+    Raises:
+      TypeError: an unknown option (the message says what replaced a removed one), a count
+        that is not an int, ``fun``'s output of the wrong structure, an NNX module or a
+        ``TrainState`` as a differentiated argument (the message names the front end to use).
+      ValueError: both or neither count, a count < 1; at trace time, k not dividing the batch
+        size (per device on a mesh), batch leaves of different leading sizes, a loss or weight
+        that is not a scalar.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, jaxaccum
+      >>> def loss(w, batch, scale=1.0):
+      ...     x, y = batch
+      ...     return scale * jnp.mean((x @ w - y) ** 2)
+      >>> x = jnp.arange(24.0).reshape(8, 3) / 10
+      >>> y = jnp.ones(8)
+      >>> w = jnp.array([0.1, -0.2, 0.3])
+      >>> full = jax.value_and_grad(loss)(w, (x, y), scale=2.0)
+      >>> micro = jax.jit(jaxaccum.value_and_grad(loss, num_microbatches=4))(w, (x, y), scale=2.0)
+      >>> bool(jnp.allclose(full[0], micro[0])), bool(jnp.allclose(full[1], micro[1]))
+      (True, True)
+    """
+    acc = _arguments.make(
+        ENTRY, fun, _options.parse(ENTRY, options), argnums=argnums,
+        batch_argnums=batch_argnums, carry_argnums=carry_argnums,
+    )
+
+    @functools.wraps(fun)
+    def accumulated(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
+        bound = acc.bind(args, kwargs)
+        res = call(bound, args)
+        return shape_value(bound, res), res.grads
+
+    return accumulated
