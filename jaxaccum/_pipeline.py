@@ -212,7 +212,8 @@ def accumulate(
     if k == 1:
         sums, ys = body(start, 0)
         return sums, jax.tree.map(lambda y: jnp.expand_dims(y, 0), ys)
-    return jax.lax.scan(body, start, jnp.arange(k))  # type: ignore[no-any-return]
+    return jax.lax.scan(  # type: ignore[no-any-return]
+        body, start, jnp.arange(k), unroll=acc.options.unroll)
 
 
 # --- finalize -----------------------------------------------------------------------------------

@@ -503,3 +503,12 @@ def test_weights_are_constants_for_the_gradient():
     expected = jax.value_and_grad(reference)(PARAMS)
     got = jax.jit(jaxaccum.value_and_grad(soft, num_microbatches=4, weighted=True))(PARAMS, BATCH)
     assert_trees_close(got, expected, 1e-5)
+
+
+def test_unroll_gives_the_same_result_and_is_checked():
+    rolled = jax.jit(jaxaccum.value_and_grad(mse_loss, num_microbatches=8))(PARAMS, BATCH)
+    unrolled_fn = jaxaccum.value_and_grad(mse_loss, num_microbatches=8, unroll=4)
+    assert_trees_close(jax.jit(unrolled_fn)(PARAMS, BATCH), rolled, 1e-6)
+    assert "unroll=4" in str(jax.make_jaxpr(unrolled_fn)(PARAMS, BATCH))
+    with pytest.raises(TypeError, match="jaxaccum.value_and_grad: unroll must be"):
+        jaxaccum.value_and_grad(mse_loss, num_microbatches=8, unroll=0)

@@ -269,7 +269,7 @@ def test_batch_by_keyword_says_keywords_are_passed_whole():
 
 @pytest.mark.parametrize("name, hint", [
     ("aux_reduce", "has_aux="), ("data_axis", "DataParallel"), ("fsdp", "DataParallel"),
-    ("param_shardings", "DataParallel"), ("remat", "jax.checkpoint"), ("unroll", "rolled"),
+    ("param_shardings", "DataParallel"), ("remat", "jax.checkpoint"),
 ])
 def test_removed_options_say_what_replaces_them(name, hint):
     for entry, make in (
