@@ -9,15 +9,17 @@ returns process 0's object.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pathlib
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import IO, Any
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 _DEVICE_FLAG = "--xla_force_host_platform_device_count"
@@ -72,52 +74,75 @@ def run_program(
     with an error or outlives ``timeout`` seconds (all are then killed).
     """
     command = [sys.executable, "-m", f"tests.multidevice.{name}", *map(str, args)]
+    shown = " ".join(command[1:])
     coordinator = f"127.0.0.1:{free_port()}"
-    procs = [
-        subprocess.Popen(
-            command,
-            cwd=ROOT,
-            env=program_env(devices, env, (i, processes, coordinator) if processes > 1 else None),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for i in range(processes)
-    ]
-    deadline = time.monotonic() + timeout
-    outputs: list[tuple[str, str]] = []
-    try:
-        for i, proc in enumerate(procs):
-            try:
-                outputs.append(proc.communicate(timeout=max(deadline - time.monotonic(), 0.1)))
-            except subprocess.TimeoutExpired as e:
-                for p in procs:
-                    p.kill()
-                _, err = proc.communicate()
-                raise ProgramError(
-                    f"{' '.join(command)} (process {i} of {processes}) timed out after "
-                    f"{timeout:g} s; stderr:\n{_tail(err)}"
-                ) from e
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.communicate()
-    for i, (proc, (_, err)) in enumerate(zip(procs, outputs, strict=True)):
-        if proc.returncode != 0:
-            raise ProgramError(
-                f"{' '.join(command)} (process {i} of {processes}) exited with "
-                f"{proc.returncode}; stderr:\n{_tail(err)}"
+    with contextlib.ExitStack() as stack:
+        # files, not pipes: a process is never blocked on a full pipe while another is awaited
+        logs = [
+            (
+                stack.enter_context(tempfile.TemporaryFile("w+")),
+                stack.enter_context(tempfile.TemporaryFile("w+")),
             )
+            for _ in range(processes)
+        ]
+        procs = [
+            subprocess.Popen(
+                command,
+                cwd=ROOT,
+                env=program_env(
+                    devices, env, (i, processes, coordinator) if processes > 1 else None
+                ),
+                stdout=out,
+                stderr=err,
+                text=True,
+            )
+            for i, (out, err) in enumerate(logs)
+        ]
+        try:
+            failed, timed_out = _wait(procs, time.monotonic() + timeout)
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+        outputs = [(_read(out), _read(err)) for out, err in logs]
+    if failed is not None:
+        where = f"{shown} (process {failed} of {processes})" if processes > 1 else shown
+        what = (
+            f"timed out after {timeout:g} s"
+            if timed_out
+            else f"exited with {procs[failed].returncode}"
+        )
+        raise ProgramError(f"{where} {what}; stderr:\n{_tail(outputs[failed][1])}")
     out, err = outputs[0]
     lines = out.strip().splitlines()
     try:
         result = json.loads(lines[-1])
     except (IndexError, json.JSONDecodeError) as e:
         raise ProgramError(
-            f"{' '.join(command)} printed no JSON object last; stdout:\n{_tail(out, 1000)}\n"
+            f"{shown} printed no JSON object last; stdout:\n{_tail(out, 1000)}\n"
             f"stderr:\n{_tail(err)}"
         ) from e
     if not isinstance(result, dict):
-        raise ProgramError(f"{' '.join(command)} printed {type(result).__name__}, not an object")
+        raise ProgramError(f"{shown} printed {type(result).__name__}, not an object")
     return result
+
+
+def _wait(procs: list[subprocess.Popen[str]], deadline: float) -> tuple[int | None, bool]:
+    """Waits until every process has exited, one has failed, or the deadline; returns (the
+    index of the failed or first unfinished process, or None; whether the deadline passed)."""
+    while True:
+        codes = [proc.poll() for proc in procs]
+        for i, code in enumerate(codes):
+            if code is not None and code != 0:
+                return i, False
+        if all(code == 0 for code in codes):
+            return None, False
+        if time.monotonic() > deadline:
+            return codes.index(None), True
+        time.sleep(0.05)
+
+
+def _read(file: IO[str]) -> str:
+    file.seek(0)
+    return file.read()
