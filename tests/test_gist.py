@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import functools
 import json
-import subprocess
-import sys
 
 import numpy as np
 import optax
 import pytest
 import requests
 from conftest import assert_within_rounding
+from launcher import run_program
 
 import jaxaccum.experiment
 from jaxaccum.experiment import data, gist
@@ -218,11 +217,5 @@ def test_console_script_without_the_extra_names_it(monkeypatch, capsys):
 
 
 def test_library_imports_no_experiment():
-    code = (
-        "import sys, jaxaccum\n"
-        "bad = {'flax', 'tensorflow_datasets', 'matplotlib', 'rich', 'array_record'}\n"
-        "print(sorted(m for m in sys.modules\n"
-        "             if m.split('.')[0] in bad or m.startswith('jaxaccum.experiment')))\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "[]"
+    """A fresh interpreter: ``import jaxaccum`` loads none of the experiment's stack."""
+    assert run_program("imports", devices=1)["loaded"] == []
