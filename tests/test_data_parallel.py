@@ -72,8 +72,9 @@ def test_two_processes_equal_single_process():
 def test_errors_name_arguments():
     msgs = run_program("data_parallel", "errors", devices=8)["messages"]
     assert "data_axis='model' is not an axis of the mesh" in msgs[0]
-    assert "data_axis='data' was given without a mesh" in msgs[1]
-    assert "batch size 12 is not divisible by the 8 devices" in msgs[2]
+    assert "jaxaccum.value_and_grad: mesh has the axes ('data', 'model')" in msgs[1]
+    assert "DataParallel(mesh, data_axis='data')" in msgs[1]
+    assert "jaxaccum.value_and_grad: the batch size 12 is not divisible by the 8 devices" in msgs[2]
 
 
 def test_param_shardings_errors_name_the_argument():
@@ -84,15 +85,17 @@ def test_param_shardings_errors_name_the_argument():
     def loss(p, b):
         return jnp.mean((b[0] @ p["w"] + p["b"] - b[1]) ** 2)
 
-    with pytest.raises(ValueError, match="param_shardings was given without a mesh"):
+    with pytest.raises(TypeError, match="the option param_shardings= is gone.*DataParallel"):
         jaxaccum.value_and_grad(loss, num_microbatches=2, param_shardings={"w": P()})
     wrong = jaxaccum.value_and_grad(
-        loss, num_microbatches=2, mesh=mesh1, param_shardings={"w": P()}
+        loss, num_microbatches=2,
+        mesh=jaxaccum.DataParallel(mesh1, param_shardings={"w": P()}),
     )
     with pytest.raises(TypeError, match=r"param_shardings for argument 0 must be a tree"):
         jax.jit(wrong)(params, batch)
     right = jaxaccum.value_and_grad(
-        loss, num_microbatches=2, mesh=mesh1, param_shardings={"w": P(), "b": P()}
+        loss, num_microbatches=2,
+        mesh=jaxaccum.DataParallel(mesh1, param_shardings={"w": P(), "b": P()}),
     )
     expected = jax.value_and_grad(loss)(params, batch)
     np.testing.assert_allclose(jax.jit(right)(params, batch)[0], expected[0], rtol=1e-6)

@@ -143,32 +143,16 @@ def test_fsdp_gradients_are_reduce_scattered(results, mesh, axis_type):
 
 # -- FSDP + TP: kernels sharded over the data axis and a model axis -------------------------
 # (4, 2) data x model: w1 P("data", "model"), b1 P("model"), w2 P("model", "data");
-# (8, 1) data x model: w1 and w2 P("data", None). Both fsdp options, k = 1, 4. The cases the
-# library fails today are strict xfails (see FAILING): a fix turns them into failures to unmark.
-
-FSDP_TP = pytest.mark.xfail(strict=True, reason="FSDP+TP on meshes: being fixed")
-# Explicit + fsdp="step": NotImplementedError from shard_map (unreduced in_specs need full
-# manual mode), at every k. Auto on (4, 2): w1, w2 and their gradients all-gathered over the
-# model axis (the full 128 KiB w1 among them).
-FAILING = {
-    "no_model_gather": {
-        ("fsdp_model", "auto", "step"),
-        ("fsdp_model", "auto", "microbatch"),
-        ("fsdp_model", "explicit", "step"),
-        ("fsdp_8x1", "explicit", "step"),
-    },
-    "other": {("fsdp_model", "explicit", "step"), ("fsdp_8x1", "explicit", "step")},
-}
+# (8, 1) data x model: w1 and w2 P("data", None). Both fsdp options, k = 1, 4, Auto and Explicit.
 
 
 def fsdp_tp_cases(check: str) -> list:
-    cases = [
+    return [
         (mesh, axis_type, fsdp)
         for mesh in ("fsdp_model", "fsdp_8x1")
         for axis_type in ("auto", "explicit")
         for fsdp in ("step", "microbatch")
     ]
-    return [pytest.param(*c, marks=[FSDP_TP] if c in FAILING[check] else []) for c in cases]
 
 
 def fsdp_tp_result(results, case: str, row: str) -> dict:

@@ -36,7 +36,7 @@ def main() -> None:
     y = rng.normal(size=(256, 4)).astype(np.float32)
     stats = {"mean": np.zeros(16, np.float32), "count": np.zeros((), np.int32)}
     kw: dict[str, Any] = dict(
-        num_microbatches=4, has_aux=True, carry_argnums=2, aux_reduce={"first": "last", "n": "sum"}
+        num_microbatches=4, carry_argnums=2, has_aux={"first": "last", "n": "sum"}
     )
     ((l1, aux1), s1), g1 = jax.jit(jaxaccum.value_and_grad(loss, **kw))(params, (x, y), stats)
     mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))

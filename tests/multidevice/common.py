@@ -10,6 +10,8 @@ from typing import Any
 import jax
 import numpy as np
 
+import jaxaccum
+
 # The launcher's contract with a program started as one of several processes.
 COORDINATOR = "JAXACCUM_TEST_COORDINATOR"
 NUM_PROCESSES = "JAXACCUM_TEST_NUM_PROCESSES"
@@ -23,16 +25,17 @@ def accumulation_options(
     param_shardings: Any = None,
 ) -> dict[str, Any]:
     """The keyword arguments that put a jaxaccum call on ``mesh`` (the only place they are
-    spelled). Arguments left ``None`` are not passed, so the library's defaults apply."""
+    spelled): ``mesh=jaxaccum.DataParallel(...)``. A sequence of ``fsdp`` options is
+    ``plan_microbatches``' own ``fsdp=`` (the options it plans among)."""
+    if mesh is None:
+        return {}
+    axis = data_axis if data_axis is None or isinstance(data_axis, str) else tuple(data_axis)
     options: dict[str, Any] = {}
-    if mesh is not None:
-        options["mesh"] = mesh
-    if data_axis is not None:
-        options["data_axis"] = data_axis if isinstance(data_axis, str) else tuple(data_axis)
-    if fsdp is not None:
-        options["fsdp"] = fsdp if isinstance(fsdp, str) else tuple(fsdp)
-    if param_shardings is not None:
-        options["param_shardings"] = param_shardings
+    one = fsdp if isinstance(fsdp, str) else "step"
+    if fsdp is not None and not isinstance(fsdp, str):
+        options["fsdp"] = tuple(fsdp)
+    options["mesh"] = jaxaccum.DataParallel(mesh, data_axis=axis, fsdp=one,
+                                            param_shardings=param_shardings)
     return options
 
 

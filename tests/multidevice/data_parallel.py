@@ -93,14 +93,14 @@ def errors() -> dict[str, Any]:
     mesh = jax.make_mesh((8,), ("data",))
     params, batch, _ = params_and_batch(12)
     msgs = []
-    configs: tuple[dict[str, Any], ...] = (
-        accumulation_options(mesh, data_axis="model"),
-        accumulation_options(None, data_axis="data"),  # data_axis without a mesh
-        accumulation_options(mesh),
+    configs: tuple[Any, ...] = (
+        lambda: accumulation_options(mesh, data_axis="model"),
+        lambda: {"mesh": jax.make_mesh((4, 2), ("data", "model"))},  # several axes, none named
+        lambda: accumulation_options(mesh),
     )
     for kwargs in configs:
         try:
-            jaxaccum.value_and_grad(loss, num_microbatches=1, **kwargs)(params, batch)
+            jaxaccum.value_and_grad(loss, num_microbatches=1, **kwargs())(params, batch)
         except ValueError as e:
             msgs.append(str(e))
     return {"messages": msgs}
