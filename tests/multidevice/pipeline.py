@@ -18,14 +18,14 @@ from jaxaccum import _hlo
 
 from .common import emit, hlo_text, memory
 
-B, D, H, O = 256, 64, 128, 16
+B, D, H, OUT = 256, 64, 128, 16
 Params = dict[str, Any]
 rng = np.random.default_rng(0)
 PARAMS = {"w1": (rng.normal(size=(D, H)) / 4).astype(np.float32),
           "b1": (rng.normal(size=(H,)) / 10).astype(np.float32),
-          "w2": (rng.normal(size=(H, O)) / 8).astype(np.float32)}
+          "w2": (rng.normal(size=(H, OUT)) / 8).astype(np.float32)}
 X = rng.normal(size=(B, D)).astype(np.float32)
-Y = rng.normal(size=(B, O)).astype(np.float32)
+Y = rng.normal(size=(B, OUT)).astype(np.float32)
 
 
 def forward(p: Params, x: jax.Array, explicit: bool, model: str | None = None) -> jax.Array:
@@ -42,6 +42,12 @@ def make_loss(explicit: bool, model: str | None = None) -> Any:
         return jnp.mean((out - b[1]) ** 2), out[:, 0]
 
     return loss
+
+
+def scalar_loss(explicit: bool, model: str | None = None) -> Any:
+    """The loss without its aux."""
+    loss = make_loss(explicit, model)
+    return lambda p, b: loss(p, b)[0]
 
 
 def mesh_of(shape: tuple[int, ...], names: tuple[str, ...], explicit: bool) -> jax.sharding.Mesh:
@@ -67,7 +73,7 @@ def readme_example() -> dict[str, Any]:
     opt = optax.adam(1e-2)
     mesh = mesh_of((4, 2), ("data", "model"), True)
     specs = {"w1": P("data", "model"), "b1": P("model"), "w2": P("model", None)}
-    single = jax.jit(jaxaccum.train_step(lambda p, b: make_loss(False)(p, b)[0], opt,
+    single = jax.jit(jaxaccum.train_step(scalar_loss(False), opt,
                                          num_microbatches=4, donate=False))
     ref, state = dict(PARAMS), opt.init(PARAMS)
     for _ in range(3):
@@ -75,7 +81,7 @@ def readme_example() -> dict[str, Any]:
     with jax.set_mesh(mesh):
         params, batch = put(mesh, specs)
         step = jaxaccum.train_step(
-            lambda p, b: make_loss(True, "model")(p, b)[0], opt, num_microbatches=4,
+            scalar_loss(True, "model"), opt, num_microbatches=4,
             mesh=jaxaccum.DataParallel(mesh, data_axis="data", fsdp="step"))
         state = opt.init(params)
         for _ in range(3):
@@ -103,7 +109,7 @@ def concat_and_counts() -> dict[str, Any]:
         if not explicit:
             opt = optax.sgd(0.0)
             with jax.set_mesh(mesh):
-                step = jaxaccum.train_step(lambda p, b: make_loss(False)(p, b)[0], opt,
+                step = jaxaccum.train_step(scalar_loss(False), opt,
                                            num_microbatches=4, donate=False,
                                            mesh=jaxaccum.DataParallel(mesh, "data"))
                 info = step(params, opt.init(params), batch)[3]
@@ -124,7 +130,7 @@ def skipped() -> dict[str, Any]:
 
     def reference(name: str) -> Any:
         keep = np.setdiff1d(np.arange(B), dropped[name])
-        return jax.value_and_grad(lambda p, b: make_loss(False)(p, b)[0])(
+        return jax.value_and_grad(scalar_loss(False))(
             PARAMS, (X[keep], Y[keep]))
 
     out: dict[str, Any] = {}
@@ -134,13 +140,13 @@ def skipped() -> dict[str, Any]:
         with jax.set_mesh(mesh):
             params, _ = put(mesh, {"w1": P(), "b1": P(), "w2": P()})
             batch = jax.device_put((bad, Y), NamedSharding(mesh, P("data")))
-            loss_fn = make_loss(explicit)
+            loss_fn = scalar_loss(explicit)
             fn = jax.jit(jaxaccum.value_and_grad(
-                lambda p, b: loss_fn(p, b)[0], num_microbatches=4, skip_nonfinite=True,
+                loss_fn, num_microbatches=4, skip_nonfinite=True,
                 mesh=mesh))
             loss, grads = fn(params, batch)
             red = _hlo.gradient_reductions(hlo_text(fn.lower(params, batch).compile()), 8)
-            step = jaxaccum.train_step(lambda p, b: loss_fn(p, b)[0], opt, num_microbatches=4,
+            step = jaxaccum.train_step(loss_fn, opt, num_microbatches=4,
                                        skip_nonfinite=True, donate=False, mesh=mesh)
             info = step(params, opt.init(params), batch)[3]
         name = "explicit" if explicit else "auto"
@@ -161,7 +167,7 @@ def zero3_in_loop() -> dict[str, Any]:
         params, batch = put(mesh, specs)
         for fsdp in ("step", "microbatch"):
             fn = jax.jit(jaxaccum.value_and_grad(
-                lambda p, b: make_loss(False)(p, b)[0], num_microbatches=8,
+                scalar_loss(False), num_microbatches=8,
                 mesh=jaxaccum.DataParallel(mesh, fsdp=fsdp, param_shardings=specs)))
             compiled = fn.lower(params, batch).compile()
             counts = _hlo.collective_counts(hlo_text(compiled))
