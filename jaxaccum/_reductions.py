@@ -184,6 +184,18 @@ def _last_device(acc: Any, axes: Any) -> Any:
     return jax.lax.psum(jnp.where(jax.lax.axis_index(axes) == n - 1, acc, 0), axes)
 
 
+def _extremum(largest: bool) -> AuxReduction:
+    """``"max"`` or ``"min"``: starts at the other end of the dtype's range (-inf for max)."""
+    pick = jnp.maximum if largest else jnp.minimum
+    return AuxReduction(
+        False,
+        lambda shape, dtype: jnp.full(shape, _extreme(dtype, largest=not largest), dtype),
+        lambda acc, x, w: pick(acc, x),
+        jax.lax.pmax if largest else jax.lax.pmin,
+        _same,
+    )
+
+
 def _none(*_: Any) -> Any:
     return None
 
@@ -216,20 +228,8 @@ AUX_REDUCTIONS: dict[str, AuxReduction] = {
         jax.lax.psum,
         lambda acc, total, count: safe_divide(acc, total),
     ),
-    "max": AuxReduction(
-        False,
-        lambda shape, dtype: jnp.full(shape, _extreme(dtype, largest=False), dtype),
-        lambda acc, x, w: jnp.maximum(acc, x),
-        jax.lax.pmax,
-        _same,
-    ),
-    "min": AuxReduction(
-        False,
-        lambda shape, dtype: jnp.full(shape, _extreme(dtype, largest=True), dtype),
-        lambda acc, x, w: jnp.minimum(acc, x),
-        jax.lax.pmin,
-        _same,
-    ),
+    "max": _extremum(largest=True),
+    "min": _extremum(largest=False),
     "last": AuxReduction(
         False,
         lambda shape, dtype: jnp.zeros(shape, dtype),
