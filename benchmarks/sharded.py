@@ -9,12 +9,13 @@ param-sized optimizer state). Meshes, each with Auto and with Explicit axes:
 - ``data_model``: (4, 2) data x model, tensor-parallel kernels (w1 P(None, 'model'),
   w2 P('model', None));
 - ``fsdp``: (8,) FSDP, kernels P('data', None);
-- ``data_fsdp``: (2, 4) data x fsdp (HSDP), kernels P('fsdp', None), ``data_axis=("data",
-  "fsdp")``.
+- ``data_fsdp``: (2, 4) data x fsdp (HSDP), kernels P('fsdp', None), data axes
+  ``("data", "fsdp")``.
 
 Ways, per mesh and k (micro-batches per optimizer step):
 
-- ``jaxaccum step``: ``jaxaccum.train_step(..., mesh=, data_axis=, fsdp="step")``;
+- ``jaxaccum step``: ``jaxaccum.train_step(..., mesh=jaxaccum.DataParallel(mesh,
+  data_axis=..., fsdp="step"))``;
 - ``jaxaccum microbatch``: the same with ``fsdp="microbatch"`` (FSDP meshes only);
 - ``naive scan``: what a user writes without jaxaccum: ``jax.jit`` over a ``lax.scan`` of
   contiguous micro-batches ``x.reshape(k, B // k, ...)``, plain ``jax.grad`` in the body, one
@@ -345,8 +346,9 @@ def build_group(
         for k in ks:
             for mode in ("step", "microbatch") if fsdp_mesh else ("step",):
                 case = Case(f"jaxaccum {mode}", k)
-                step = jaxaccum.train_step(acc_loss, opt, num_microbatches=k, mesh=mesh,
-                                           data_axis=data_axes, fsdp=mode, donate=False)
+                dp = jaxaccum.DataParallel(mesh, data_axis=data_axes, fsdp=mode)
+                step = jaxaccum.train_step(acc_loss, opt, num_microbatches=k, mesh=dp,
+                                           donate=False)
                 add(case, lambda step=step: step.lower(params, state, batch),
                     lambda c: c(params, state, batch), lambda out: out[0])
 
