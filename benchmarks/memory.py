@@ -6,8 +6,10 @@ accumulator), against the target temp <= 1.1 P + 1.2 A / k (P parameter bytes, A
 batch's temp bytes). The measured peak runs each (implementation, k) of the compute-bound model
 in a fresh process: on CPU the peak resident-set growth during one step (sampled every 0.2 ms,
 large allocations forced to mmap so freed memory leaves the RSS); on a GPU the device's
-peak_bytes_in_use. Also remat: temp bytes and step time of jaxaccum.train_step with remat off,
-on, and with the dots_saveable policy. Writes benchmarks/results/memory.json and memory.png.
+peak_bytes_in_use. Also remat: temp bytes and step time of jaxaccum.train_step with the loss
+as it is (off), wrapped in ``jax.checkpoint`` by hand (on), and with the dots_saveable policy
+(the ``remat=`` option these rows measured before 0ec3eda is gone: the wrapper is what it did,
+around each micro-batch's loss). Writes benchmarks/results/memory.json and memory.png.
 
     python benchmarks/memory.py
 """
@@ -33,11 +35,14 @@ from _common import (
     MODELS,
     Full,
     TrainStep,
+    loss,
     machine,
     plot_by_k,
     result_path,
     save,
 )
+
+import jaxaccum
 
 MEASURED = (
     "full batch",
@@ -126,7 +131,13 @@ def remat_rows(model: Any, ks: list[int], rounds: int = 3) -> dict[int, dict[str
     for k in ks:
         rows[k] = {}
         for name, remat in variants.items():
-            impl = TrainStep(k, remat=remat)
+            impl = TrainStep(k)
+            if remat is not False:  # the loss wrapped by hand, as remat= did
+                policy = None if remat is True else remat
+                checkpointed = jax.checkpoint(loss, policy=policy)
+                impl.fn = jaxaccum.train_step(
+                    checkpointed, impl.optimizer, num_microbatches=k, donate=False
+                )
             state = impl.init(params)
             temp = impl.lower(params, state, batch).compile().memory_analysis().temp_size_in_bytes
             jax.block_until_ready(impl.step(params, state, batch))
