@@ -21,13 +21,15 @@ compile time (lower + compile) and ``memory_analysis()`` temp bytes are recorded
 ways: their per-micro-batch program).
 
 ``loops`` is the CNN loop study (docs/perf_investigation.md): jitted ``value_and_grad`` of the
-full batch, of jaxaccum with ``unroll`` 1, 2 and 4, a hand-written ``lax.scan``, a Python loop,
-the library with its micro-batches split before the loop (strided ``swapaxes`` or contiguous),
-and, as evidence, ``before (a4b2f71^)``: the library with the convolution rewrite undone and
-the old swapaxes split, monkeypatched while tracing (``variant``/``before``), also with
-``unroll`` 2, 4 and k. The committed ``results/models_loops.json`` was measured before a4b2f71,
-when the library was what is now ``before`` (named ``jaxaccum`` there) and the change was a
-prototype in this file (named ``proposed`` there).
+full batch, of jaxaccum with ``unroll`` 1, 2, 4 and k, a hand-written ``lax.scan``, a Python
+loop, and the library with its micro-batches split before the loop (strided ``swapaxes`` or
+contiguous; ``variant`` swaps ``_pipeline.split``/``take`` while tracing). The loop study is
+not rerunnable as committed: its ``before (a4b2f71^)`` ways monkeypatched the private
+``_accumulate`` module, which went away with the pipeline rewrite (0ec3eda), so they were
+removed; ``results/models_loops.json`` keeps what they measured as evidence. It was measured
+before a4b2f71, when the library was what it calls ``before`` (named ``jaxaccum`` there) and the
+change was a prototype in this file (named ``proposed`` there); a rerun of ``loops`` (which
+overwrites that file) measures only the ways listed above.
 
     python benchmarks/models.py                 # families, ~8 min on 2 cores: results/models.*
     python benchmarks/models.py --quick         # ~2.5 min: fewer k and rounds: models_quick.*
@@ -57,65 +59,64 @@ from _common import GIST, machine, result_path, save
 from _common import loss as mlp_loss
 
 import jaxaccum
-from jaxaccum import _accumulate, _conv_layout, _hlo
+from jaxaccum import _conv_layout, _hlo, _pipeline
 
 KS = (1, 2, 4, 8, 16, 32, 64)
 
-# --- the library before a4b2f71, as evidence for the loop study -------------------------------
+# --- split variants of the library, for the loop study and the memory probe -----------------
 #
-# a4b2f71 applied the change this study recommended: jaxaccum/_conv_layout.py rewrites the
-# micro-step's convolutions into XLA:CPU's canonical NHWC x HWIO -> NHWC form (XLA's own
-# ConvCanonicalization pass visits only the entry computation, so inside a while loop autodiff's
-# gradient convolutions ran as naive loops), and scan_microbatches gathers micro-batch i inside
-# the loop from a free (B/k, k, ...) view instead of a transposed copy of the whole batch. The
-# variants below undo either half while tracing, so "before (a4b2f71^)" is the library as it was.
+# a4b2f71 made the library gather micro-batch i inside the loop from a free (B/k, k, ...) view
+# (now jaxaccum/_pipeline.py: ``split`` and ``take``) and rewrite the micro-step's convolutions
+# into XLA:CPU's canonical layout (_conv_layout.canonical_convs). ``variant`` swaps those
+# module-level functions while tracing. The "before (a4b2f71^)" ways the committed
+# results/models_loops.json holds patched the private module ``_accumulate``, which is gone
+# since 0ec3eda: they are no longer measured (their results stay committed as evidence).
 
-BEFORE = "before (a4b2f71^)"
+BEFORE = "before (a4b2f71^)"  # the name of those ways in models_loops.json
 _ORIGINAL = {
     "canonical_convs": _conv_layout.canonical_convs,
-    "scan_microbatches": _accumulate.scan_microbatches,
+    "split": _pipeline.split,
+    "take": _pipeline.take,
 }
 
 
-def _split_before(split: str) -> Callable[..., Any]:
-    """``scan_microbatches`` fed pre-split micro-batches: ``swapaxes`` is a4b2f71^'s strided
-    split (a transposed copy of the batch before the loop), ``contiguous`` cuts blocks."""
+def _split_before(split: str) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """(``split``, ``take``) for micro-batches cut before the loop: ``swapaxes`` is a4b2f71^'s
+    strided split (a transposed copy of the batch), ``contiguous`` cuts blocks (a free view);
+    the loop then indexes the leading axis."""
 
-    def split_batches(cfg: Any, args: Any, k: int) -> tuple[Any, ...]:
+    def view(x: Any, k: int) -> jax.Array:
+        x = jnp.asarray(x)
         if split == "swapaxes":
-            return _accumulate.split_microbatches(cfg, args, k)
-        return tuple(
-            jax.tree.map(
-                lambda x: jnp.asarray(x).reshape((k, x.shape[0] // k) + x.shape[1:]), args[i]
-            )
-            for i in cfg.split_argnums
+            return jnp.swapaxes(x.reshape((x.shape[0] // k, k, *x.shape[1:])), 0, 1)
+        return x.reshape((k, x.shape[0] // k, *x.shape[1:]))
+
+    def split_fn(acc: Any, args: Any, k: int) -> tuple[Any, ...]:
+        return tuple(jax.tree.map(lambda x: view(x, k), b) for b in acc.batch(args))
+
+    def take(views: Any, i: Any) -> Any:
+        return jax.tree.map(
+            lambda v: jax.lax.dynamic_index_in_dim(v, i, axis=0, keepdims=False), views
         )
 
-    def scan(cfg: Any, args: Any, k: int, sums: Any = None, batches: Any = None) -> Any:
-        if batches is None and k > 1:
-            batches = split_batches(cfg, args, k)
-        return _ORIGINAL["scan_microbatches"](cfg, args, k, sums, batches)
-
-    return scan
+    return split_fn, take
 
 
 @contextlib.contextmanager
 def variant(convs: bool = True, split: str = "gather") -> Iterator[None]:
     """While tracing: the library's micro-step with (``convs``) or without the convolution
     rewrite, and its micro-batches gathered inside the loop (``gather``, the library), split
-    before the loop as a4b2f71^ did (``swapaxes``), or cut into contiguous blocks."""
+    before the loop by a transposed copy as a4b2f71^ did (``swapaxes``), or cut into
+    contiguous blocks."""
     if not convs:
         _conv_layout.canonical_convs = lambda fun: fun
     if split != "gather":
-        _accumulate.scan_microbatches = _split_before(split)
+        _pipeline.split, _pipeline.take = _split_before(split)
     try:
         yield
     finally:
         _conv_layout.canonical_convs = _ORIGINAL["canonical_convs"]
-        _accumulate.scan_microbatches = _ORIGINAL["scan_microbatches"]
-
-
-before = functools.partial(variant, convs=False, split="swapaxes")
+        _pipeline.split, _pipeline.take = _ORIGINAL["split"], _ORIGINAL["take"]
 
 
 # --- the models ------------------------------------------------------------------------------
@@ -757,25 +758,22 @@ def _loop_variants(loss: Callable[..., Any], k: int, full_unroll_max: int) -> di
     none = contextlib.nullcontext
     out = {
         "full batch": (jax.jit(jax.value_and_grad(loss)), none),
-        BEFORE: (vg(), before),
-        f"{BEFORE} unroll=2": (vg(unroll=2), before),
-        f"{BEFORE} unroll=4": (vg(unroll=4), before),
-        f"{BEFORE} unroll=k": (vg(unroll=k), before),
         "hand-written lax.scan": (jax.jit(_hand_scan(loss, k)), none),
         "Python loop": (_LoopVG(loss, k), none),
         "jaxaccum": (vg(), none),
         "jaxaccum unroll=2": (vg(unroll=2), none),
         "jaxaccum unroll=4": (vg(unroll=4), none),
+        "jaxaccum unroll=k": (vg(unroll=k), none),
         "jaxaccum, swapaxes split": (vg(), functools.partial(variant, split="swapaxes")),
         "jaxaccum, contiguous split": (vg(), functools.partial(variant, split="contiguous")),
     }
     if k < 4:
-        del out[f"{BEFORE} unroll=4"], out["jaxaccum unroll=4"]
+        del out["jaxaccum unroll=4"]
     if k < 2:
-        for name in (f"{BEFORE} unroll=2", "jaxaccum unroll=2", f"{BEFORE} unroll=k"):
+        for name in ("jaxaccum unroll=2", "jaxaccum unroll=k"):
             del out[name]
     if k > full_unroll_max:
-        out.pop(f"{BEFORE} unroll=k", None)
+        out.pop("jaxaccum unroll=k", None)
     return out
 
 
@@ -840,18 +838,13 @@ def compile_study(repeats: int = 3) -> dict[str, Any]:
     }
     for model, (loss, params, batch) in cases.items():
         rows: dict[str, Any] = {}
-        for name, unroll, context in (
-            (BEFORE, None, before),
-            ("jaxaccum", None, contextlib.nullcontext),
-            ("jaxaccum unroll=k", "k", contextlib.nullcontext),
-        ):
+        for name, unroll in (("jaxaccum", None), ("jaxaccum unroll=k", "k")):
             for k in (2, 8, 64):
                 seconds = []
                 for _ in range(repeats):
                     kw = {"unroll": k} if unroll else {}
                     fn = jax.jit(jaxaccum.value_and_grad(loss, num_microbatches=k, **kw))
-                    with context():
-                        seconds.append(compile_timed(fn, params, batch)[1])
+                    seconds.append(compile_timed(fn, params, batch)[1])
                 rows.setdefault(name, {})[k] = {"min_s": min(seconds), "all_s": seconds}
             ratio = rows[name][64]["min_s"] / rows[name][2]["min_s"]
             rows[name]["ratio_64_to_2"] = ratio
@@ -978,7 +971,6 @@ def loop_study(args: argparse.Namespace) -> None:
             8,
             {
                 "full batch": (jax.jit(jax.value_and_grad(nnx_loss)), contextlib.nullcontext),
-                BEFORE: (jax.jit(vg()), before),
                 "Python loop": (_LoopVG(nnx_loss, 8), contextlib.nullcontext),
                 "jaxaccum": (jax.jit(vg()), contextlib.nullcontext),
             },
