@@ -323,3 +323,20 @@ def test_equinox_float_fields_are_not_differentiated():
     np.testing.assert_allclose(grads.weight, ref_grads.weight, rtol=1e-5, atol=1e-7)
     updated = eqx.apply_updates(model, jax.tree.map(lambda g: -0.1 * g, grads))
     assert updated.scale == 2.0
+
+
+def test_outer_gradient_of_the_loss_treats_weights_as_constants():
+    """The returned value and gradient agree: differentiating the accumulated loss (as a
+    hypergradient or a check would) gives the returned gradient, weights held constant, even
+    when the weight depends on the parameters (a soft count)."""
+
+    def soft(params, batch):
+        x, y = batch
+        w = jnp.sum(jax.nn.sigmoid(x @ params["layer0"]["w"][:, 0]))
+        return jnp.mean((mlp_apply(params, x) - y) ** 2), w
+
+    fn = jaxaccum.value_and_grad(soft, num_microbatches=4, weighted=True)
+    _, grads = jax.jit(fn)(PARAMS, BATCH)
+    outer = jax.jit(jax.grad(lambda p: fn(p, BATCH)[0]))(PARAMS)
+    for a, b in zip(jax.tree.leaves(outer), jax.tree.leaves(grads), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
