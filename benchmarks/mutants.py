@@ -60,17 +60,19 @@ GUARDS = "tests/test_guards.py"
 ACC = tests("tests/test_accumulate.py", "tests/test_carry.py",
             "-k", "not property and not bfloat16")
 ACC_ALL = tests("tests/test_accumulate.py", "tests/test_carry.py")
-CARRY = tests("tests/test_carry.py")
+CARRY = tests("tests/test_carry.py", "-k", "carri")
 SKIP = tests("tests/test_accumulate.py", "tests/test_carry.py", "-k",
              "skip or nonfinite or nan or negative")
 AUX = tests("tests/test_carry.py", "tests/test_frontends.py", "-k", "aux",
             GUARDS, "-k", "aux and not mesh")
 TRAIN = tests("tests/test_train_step.py")
-MULTI = tests("tests/test_multi_steps.py")
-NNX = tests("tests/test_frontends.py", "-k", "nnx", "tests/test_flax.py", "-k", "nnx")
+MULTI = tests("tests/test_multi_steps.py", "-k", "trajectory or optax_multisteps or extra_args or "
+              "chainable or zero_weight or empty or whole_window or skipped_window")
+NNX = tests("tests/test_frontends.py", "-k", "nnx and not tutorial", "tests/test_flax.py", "-k",
+            "nnx")
 LINEN = tests("tests/test_frontends.py", "tests/test_flax.py", "-k", "linen")
 PLAN = tests("tests/test_plan.py")
-CONV = tests("tests/test_conv_layout.py")
+CONV = tests("tests/test_conv_layout.py", "-k", "exact or canonical or cond or scan")
 OPTIONS = tests("tests/test_frontends.py", "-k",
                 "option or entry or keyword or counts or per_device")
 EQX = tests("tests/test_frontends.py", "-k", "equinox", GUARDS, "-k", "equinox")
@@ -127,7 +129,7 @@ MUTANTS = [
            ACC + (GUARDS, "-k", "outer")),
     Mutant("gradients not cast back to the parameters' dtype", P,
            "grads = _reductions.cast_like(grads, acc.differentiated(args))",
-           "grads = grads", ACC),
+           "grads = grads", tests("tests/test_accumulate.py", "-k", "dtype or float")),
     Mutant("carried state not threaded", P,
            "args = acc.with_carry(args, sums.carry)", "pass", CARRY),
     Mutant("skipped micro-batch's carried update kept", P,
@@ -137,13 +139,13 @@ MUTANTS = [
     Mutant("aux 'last' keeps the first", R,
            "lambda acc, x, w: x.astype(acc.dtype),", "lambda acc, x, w: acc,", AUX),
     Mutant("aux 'max' takes the min", R,
-           "lambda acc, x, w: jnp.maximum(acc, x),", "lambda acc, x, w: jnp.minimum(acc, x),",
-           AUX),
+           '"max": _extremum(largest=True),', '"max": _extremum(largest=False),', AUX),
     Mutant("k == 1 aux not stacked", P,
            "return sums, jax.tree.map(lambda y: jnp.expand_dims(y, 0), ys)",
-           "return sums, ys", ACC),
+           "return sums, ys", tests("tests/test_accumulate.py", "-k", "aux")),
     Mutant("keyword arguments dropped", A,
-           "return self.with_fun(functools.partial(self.fun, **kwargs))", "return self", ACC),
+           "return self.with_fun(functools.partial(self.fun, **kwargs))", "return self",
+           tests("tests/test_accumulate.py", "-k", "keyword")),
     Mutant("zero-weight step not skipped", "jaxaccum/_train_step.py",
            "optimizer, params, opt_state, res, acc.options.divides_safely, self._donate",
            "optimizer, params, opt_state, res, False, self._donate", TRAIN),
@@ -188,12 +190,11 @@ MUTANTS = [
     Mutant("aux mean divides by the total weight", R,
            "lambda acc, total, count: acc / count,", "lambda acc, total, count: acc / total,",
            AUX),
-    Mutant("aux max starts at 0", R,
-           "lambda shape, dtype: jnp.full(shape, _extreme(dtype, largest=False), dtype),",
+    Mutant("aux max/min start at 0", R,
+           "lambda shape, dtype: jnp.full(shape, _extreme(dtype, largest=not largest), dtype),",
            "lambda shape, dtype: jnp.zeros(shape, dtype),", AUX),
-    Mutant("aux min starts at 0", R,
-           "lambda shape, dtype: jnp.full(shape, _extreme(dtype, largest=True), dtype),",
-           "lambda shape, dtype: jnp.zeros(shape, dtype),", AUX),
+    Mutant("aux max/min start at the wrong end of the range", R,
+           "_extreme(dtype, largest=not largest)", "_extreme(dtype, largest=largest)", AUX),
     Mutant("aux sum in the leaf's own narrow dtype", R,
            "lambda shape, dtype: jnp.zeros(shape, _wide(dtype)),",
            "lambda shape, dtype: jnp.zeros(shape, dtype),", AUX),
@@ -204,7 +205,9 @@ MUTANTS = [
            "jax.lax.axis_index(axes) == n - 1", "jax.lax.axis_index(axes) == 0",
            mesh("auto_mesh_aux")),
     Mutant("aux max across devices summed", R,
-           "        jax.lax.pmax,\n", "        jax.lax.psum,\n", mesh("auto_mesh_aux")),
+           "jax.lax.pmax if largest else jax.lax.pmin,",
+           "jax.lax.psum if largest else jax.lax.pmin,",
+           mesh("auto_mesh_aux")),
     Mutant("aux mean on a mesh divided by the per-device count", P,
            "count = placement.count(k)", "count = k", mesh("auto_mesh_aux")),
     # --- carried arguments --------------------------------------------------------------------
@@ -461,6 +464,8 @@ def main() -> None:
     parser.add_argument("--file", default="", help="run the mutants of files containing this")
     parser.add_argument("--overlay", action="append", default=[],
                         help="copy this working-tree file over the snapshot (repeatable)")
+    parser.add_argument("--part", default="1/1",
+                        help="I/N: run every N-th chosen mutant from the I-th (parallel runs)")
     parser.add_argument("--list", action="store_true", help="list the chosen mutants and exit")
     parser.add_argument("--results", type=pathlib.Path, default=RESULTS,
                         help="the results file to merge into (default: %(default)s)")
@@ -474,6 +479,8 @@ def main() -> None:
     chosen = [m for m in MUTANTS
               if (not args.only or any(s in m.name for s in args.only)) and args.file in m.file
               and not any(s in m.name for s in args.exclude)]
+    part, parts = map(int, args.part.split("/"))
+    chosen = chosen[part - 1::parts]
     if args.list:
         for m in chosen:
             print(f"{m.file:28} {m.name}")
@@ -493,6 +500,7 @@ def main() -> None:
             results.append(result)
             print(f"{result['status']:>9}  {result['seconds']:6.1f}s  {mutant.file}: "
                   f"{mutant.name}  {result.get('killed_by') or ''}", flush=True)
+            write(args.results, [result], quiet=True)  # after each: an interrupted run keeps them
     write(args.results, results)
 
 
@@ -502,7 +510,7 @@ def _load(path: pathlib.Path) -> list[dict]:
     return old.get("mutants", []) if old.get("format") == FORMAT else []
 
 
-def write(path: pathlib.Path, results: list[dict]) -> None:
+def write(path: pathlib.Path, results: list[dict], quiet: bool = False) -> None:
     """``results`` merged by name into the records already in ``path``, in MUTANTS' order."""
     previous = _load(path)
     by_name = {r["name"]: r for r in previous
@@ -519,7 +527,8 @@ def write(path: pathlib.Path, results: list[dict]) -> None:
         "retired": RETIRED,
         "mutants": merged,
     }, indent=2) + "\n")
-    print(", ".join(f"{v} {k}" for k, v in sorted(counts.items())), f"of {len(merged)}")
+    if not quiet:
+        print(", ".join(f"{v} {k}" for k, v in sorted(counts.items())), f"of {len(merged)}")
 
 
 if __name__ == "__main__":
