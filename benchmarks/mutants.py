@@ -63,7 +63,7 @@ ACC_ALL = tests("tests/test_accumulate.py", "tests/test_carry.py")
 CARRY = tests("tests/test_carry.py", "-k", "carri")
 SKIP = tests("tests/test_accumulate.py", "tests/test_carry.py", "-k",
              "skip or nonfinite or nan or negative")
-AUX = tests("tests/test_carry.py", "tests/test_frontends.py", "-k", "aux",
+AUX = tests("tests/test_carry.py", "tests/test_frontends.py", "-k", "aux and not tutorial",
             GUARDS, "-k", "aux and not mesh")
 TRAIN = tests("tests/test_train_step.py")
 MULTI = tests("tests/test_multi_steps.py", "-k", "trajectory or optax_multisteps or extra_args or "
@@ -145,7 +145,7 @@ MUTANTS = [
            "return sums, ys", tests("tests/test_accumulate.py", "-k", "aux")),
     Mutant("keyword arguments dropped", A,
            "return self.with_fun(functools.partial(self.fun, **kwargs))", "return self",
-           tests("tests/test_accumulate.py", "-k", "keyword")),
+           tests("tests/test_accumulate.py", "-k", "keyword", GUARDS, "-k", "keyword")),
     Mutant("zero-weight step not skipped", "jaxaccum/_train_step.py",
            "optimizer, params, opt_state, res, acc.options.divides_safely, self._donate",
            "optimizer, params, opt_state, res, False, self._donate", TRAIN),
@@ -162,7 +162,8 @@ MUTANTS = [
     Mutant("multi_steps emits one call early", "jaxaccum/_multi_steps.py",
            "emit = mini_step >= jnp.asarray(", "emit = mini_step + 1 >= jnp.asarray(", MULTI),
     Mutant("multi_steps extra args not passed to inner", "jaxaccum/_multi_steps.py",
-           "inner_state, params, **extra_args", "inner_state, params", MULTI),
+           "inner_state, params, **extra_args", "inner_state, params",
+           MULTI + (GUARDS, "-k", "extra_args")),
     Mutant("multi_steps steps on an empty window", "jaxaccum/_multi_steps.py",
            "step = jnp.logical_and(emit, acc_weight != 0)", "step = emit", MULTI),
     # --- the pipeline: micro-step, accumulate, finalize ---------------------------------------
@@ -247,7 +248,7 @@ MUTANTS = [
     Mutant("auto mesh accepts carried state", PL,
            "        if acc.carry:\n            raise ValueError(",
            "        if False:\n            raise ValueError(",
-           mesh("refuses_carried", SHARDED, "-k", "carried_state")),
+           (GUARDS, "-k", "refuses_carried", SHARDED, "-k", "carried_state", PIPE)),
     # --- NNX ----------------------------------------------------------------------------------
     Mutant("nnx step steps when every micro-batch is skipped", "jaxaccum/nnx.py",
            "if opts.divides_safely:  # a step of weight 0 changes nothing",
@@ -308,6 +309,14 @@ MUTANTS = [
            "    if is_equinox_module(tree):\n        return True\n", "", EQX),
 ]
 
+# mutants believed equivalent (no observable change), with the reason: reported beside the result
+EQUIVALENT = {
+    "explicit negative weight not poisoned": "ExplicitMesh.add's valid_weight is redundant: "
+    "the loss and the total weight already go through valid_weight (weighted_add, add_weight), "
+    "so a negative weight makes the total NaN and finalize's safe_divide turns every gradient "
+    "NaN anyway; with skip_nonfinite an invalid weight is zeroed before add",
+}
+
 # old mutants whose code is gone, with the reason
 RETIRED = {
     "remat ignored": "the remat option is gone (jaxaccum.Options documents why): no code left "
@@ -331,7 +340,11 @@ def snapshot(dest: pathlib.Path, overlays: list[str]) -> None:
 
 
 def environment(tree: pathlib.Path) -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(tree), "PYTHONDONTWRITEBYTECODE": "1"}
+    env = {**os.environ, "PYTHONPATH": str(tree), "PYTHONDONTWRITEBYTECODE": "1"}
+    mnist = ROOT.parent / "shared" / "mnist"  # tests/conftest.py looks beside the checkout
+    if "JAXACCUM_MNIST_DIR" not in env and mnist.is_dir():
+        env["JAXACCUM_MNIST_DIR"] = str(mnist)
+    return env
 
 
 def check_imports_from(tree: pathlib.Path) -> None:
@@ -497,6 +510,8 @@ def main() -> None:
             result = {**run(mutant, pristine, scratch), "commit": commit}
             if args.overlay:
                 result["overlays"] = args.overlay
+            if mutant.name in EQUIVALENT and result["status"] == "survived":
+                result["equivalent"] = EQUIVALENT[mutant.name]
             results.append(result)
             print(f"{result['status']:>9}  {result['seconds']:6.1f}s  {mutant.file}: "
                   f"{mutant.name}  {result.get('killed_by') or ''}", flush=True)

@@ -47,13 +47,26 @@ def mse(p, x, y):
 def loss(p, b):
     return mse(p, b[0], b[1])
 
+def explicit_loss(p, b):  # a model written for Explicit axes: reduced parameters, unreduced grads
+    h = jnp.tanh(jnp.einsum("bd,dh->bh", b[0], p["w"], out_sharding=P("data", None)))
+    out = jnp.einsum("bh,ho->bo", h, p["v"], out_sharding=P("data", None))
+    return jnp.mean((out - b[1]) ** 2)
+
 def aux_loss(p, b):
     x, y, i = b
     return mse(p, x, y), {"last": jnp.max(i), "max": jnp.max(i), "mean": jnp.mean(i), "cat": i}
 
+def root(p, x, y):  # a finite loss whose gradient is NaN at an all-zero example (sqrt at 0)
+    return mse(p, x, y) + jnp.mean(jnp.sqrt(jnp.abs(x @ p["w"][:, 0])))
+
+def explicit_root_loss(p, b):
+    h = jnp.einsum("bd,dh->bh", b[0], p["w"], out_sharding=P("data", None))
+    out = jnp.einsum("bh,ho->bo", jnp.tanh(h), p["v"], out_sharding=P("data", None))
+    return jnp.mean((out - b[1]) ** 2) + jnp.mean(jnp.sqrt(jnp.abs(h[:, 0])))
+
 def weighted_loss(p, b):
     x, y, w = b
-    return mse(p, x, y), jnp.sum(w)
+    return explicit_loss(p, (x, y)), jnp.sum(w)
 
 def carry_loss(p, b, c):
     return loss(p, b), c + 1.0
@@ -71,9 +84,8 @@ def sgd_step(fn_loss, params, batch, **kw):  # one SGD(1) step: grads = params -
     grads = jax.tree.map(lambda a, b: np.asarray(a, np.float64) - np.asarray(b, np.float64), params, new)
     return float(value), grads, info
 
-ref_grad = jax.jit(jax.grad(mse))
-def rel(grads, x, y):
-    ref = ref_grad(PARAMS, x, y)
+def rel(grads, x, y, f=mse):
+    ref = jax.grad(f)(PARAMS, x, y)
     return max(float(np.max(np.abs(grads[k] - np.asarray(ref[k])))) for k in ref) / max(
         float(np.max(np.abs(np.asarray(r)))) for r in ref.values())
 
@@ -137,11 +149,20 @@ with jax.set_mesh(mesh):
 mesh = mesh_of((8,), ("data",), EXPLICIT)
 with jax.set_mesh(mesh):
     bad = X.copy(); bad[25, 0] = np.nan
-    value, grads, info = sgd_step(loss, put(mesh, PARAMS, P()), put(mesh, (bad, Y), P("data")),
+    value, grads, info = sgd_step(explicit_loss, put(mesh, PARAMS, P()), put(mesh, (bad, Y), P("data")),
                                   num_microbatches=2, mesh=mesh, skip_nonfinite=True)
     out["explicit_skip"] = {"skipped": int(info.skipped), "weight": float(info.weight),
                             "grads_rel": rel(grads, X[0::2], Y[0::2]),
                             "finite": bool(all(np.all(np.isfinite(g)) for g in grads.values()))}
+
+# 6b. The same with a finite loss and a NaN gradient (an all-zero example, sqrt at 0): only the
+#     device holding it sees the NaN, in its partial gradient; the flag must be reduced
+    zero = X.copy(); zero[25] = 0.0
+    value, grads, info = sgd_step(explicit_root_loss, put(mesh, PARAMS, P()), put(mesh, (zero, Y), P("data")),
+                                  num_microbatches=2, mesh=mesh, skip_nonfinite=True)
+    out["explicit_skip_gradient"] = {"skipped": int(info.skipped), "weight": float(info.weight),
+                                     "loss_finite": bool(np.isfinite(value)),
+                                     "grads_rel": rel(grads, X[0::2], Y[0::2], root)}
 
 # 7. Explicit mesh, a traced negative weight: the result is NaN, never a silent number
     w = np.ones(B, np.float32); w[3] = -100.0  # micro-batch 1 (odd examples): weight 31 - 100
@@ -218,6 +239,14 @@ def test_explicit_mesh_skips_a_nonfinite_microbatch_on_one_device(mesh_results):
     r = mesh_results["explicit_skip"]
     assert r["skipped"] == 1 and r["weight"] == 1.0
     assert r["finite"] and r["grads_rel"] <= 1e-5  # the even examples alone
+
+
+def test_explicit_mesh_skips_a_microbatch_whose_gradient_alone_is_nonfinite(mesh_results):
+    """The loss is finite, one device's partial gradient is NaN: every device must agree to
+    skip (the flag is reduced over the devices), and only that micro-batch is left out."""
+    r = mesh_results["explicit_skip_gradient"]
+    assert r["skipped"] == 1 and r["weight"] == 1.0 and r["loss_finite"]
+    assert r["grads_rel"] <= 1e-5
 
 
 def test_explicit_mesh_negative_weight_poisons_the_gradient(mesh_results):
@@ -340,3 +369,36 @@ def test_outer_gradient_of_the_loss_treats_weights_as_constants():
     outer = jax.jit(jax.grad(lambda p: fn(p, BATCH)[0]))(PARAMS)
     for a, b in zip(jax.tree.leaves(outer), jax.tree.leaves(grads), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_keyword_arguments_with_defaults_reach_every_microbatch():
+    """A keyword with a default (a loss scale) is passed to every micro-batch, not dropped
+    (which would silently use the default)."""
+
+    def loss(params, batch, scale=1.0):
+        x, y = batch
+        return scale * jnp.mean((mlp_apply(params, x) - y) ** 2)
+
+    expected = jax.value_and_grad(loss)(PARAMS, BATCH, scale=3.0)
+    value, grads = jax.jit(jaxaccum.value_and_grad(loss, num_microbatches=4))(
+        PARAMS, BATCH, scale=3.0)
+    assert float(value) == pytest.approx(float(expected[0]), rel=1e-6)
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(expected[1]), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_multi_steps_passes_optional_extra_args_to_the_inner_transform():
+    """An inner transform whose extra argument has a default (``scale=1.0``) gets the value
+    given on the emitting call, not its default."""
+    import optax
+
+    def update(updates, state, params=None, *, scale=1.0, **extra):
+        return jax.tree.map(lambda u: scale * u, updates), state
+
+    inner = optax.GradientTransformationExtraArgs(lambda params: optax.EmptyState(), update)
+    opt = jaxaccum.multi_steps(inner, 2)
+    state = opt.init(jnp.zeros(3))
+    g1, g2 = jnp.array([1.0, 2.0, 3.0]), jnp.array([3.0, 2.0, 1.0])
+    _, state = jax.jit(opt.update)(g1, state, jnp.zeros(3), scale=3.0)
+    out, state = jax.jit(opt.update)(g2, state, jnp.zeros(3), scale=3.0)
+    np.testing.assert_allclose(out, [6.0, 6.0, 6.0])  # 3 x the mean (2, 2, 2)
