@@ -214,7 +214,8 @@ MUTANTS = [
     # --- carried arguments --------------------------------------------------------------------
     Mutant("carry_argnums (3, 2) threads values into the wrong arguments", A,
            "return replace(args, self.carry, carry)",
-           "return replace(args, tuple(sorted(self.carry)), carry)", CARRY),
+           "return replace(args, tuple(sorted(self.carry)), carry)",
+           CARRY + (GUARDS, "-k", "reversed_order")),
     # --- placements ---------------------------------------------------------------------------
     Mutant("auto mesh skipped count not summed over devices", PL,
            "loss, weight, skipped = jax.lax.psum((sums.loss, sums.weight, sums.skipped), "
