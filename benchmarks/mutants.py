@@ -290,7 +290,8 @@ MUTANTS = [
            "if estimate.total_bytes <= budget:", "if estimate.temp_bytes <= budget:", PLAN),
     Mutant("plan total ignores aliasing (donation)", "jaxaccum/_plan.py",
            "num_microbatches, argument, output, alias, temp, argument + output - alias + temp",
-           "num_microbatches, argument, output, alias, temp, argument + output + temp", PLAN),
+           "num_microbatches, argument, output, alias, temp, argument + output + temp",
+           PLAN + (GUARDS, "-k", "plan_total")),
     # --- convolution layout -------------------------------------------------------------------
     Mutant("convolutions under lax.cond not rewritten", "jaxaccum/_conv_layout.py",
            "key: type(v)(map(_rewrite, v)) if isinstance(v, (tuple, list)) else _rewrite(v)",
