@@ -297,7 +297,8 @@ MUTANTS = [
            "key: type(v)(map(_rewrite, v)) if isinstance(v, (tuple, list)) else _rewrite(v)",
            "key: v if isinstance(v, (tuple, list)) else _rewrite(v)", CONV),
     Mutant("canonical conv output transposed back wrong", "jaxaccum/_conv_layout.py",
-           "perm[ob], perm[of] = 0, n - 1", "perm[ob], perm[of] = n - 1, 0", CONV),
+           "perm[ob], perm[of] = 0, n - 1", "perm[ob], perm[of] = n - 1, 0",
+           CONV + (GUARDS, "-k", "conv_rewrite")),
     Mutant("conv rewrite on every platform but CPU", "jaxaccum/_conv_layout.py",
            "cpu=rewritten, default=traced.call", "cpu=traced.call, default=rewritten", CONV),
     # --- options and front-end plumbing -------------------------------------------------------
