@@ -203,8 +203,9 @@ def accumulate(
     acc: Accumulation, args: tuple[Any, ...], views: tuple[Any, ...], start: Sums, k: int,
     placement: Placement,
 ) -> tuple[Sums, Any]:
-    """Runs :func:`micro_step` over the ``k`` micro-batches in one rolled ``lax.scan`` (each
-    micro-batch gathered from the views inside the loop); no scan when ``k == 1``."""
+    """Runs :func:`micro_step` over the ``k`` micro-batches in one ``lax.scan`` (rolled unless
+    the ``unroll`` option says otherwise; each micro-batch gathered from the views inside the
+    loop); no scan when ``k == 1``."""
 
     def body(sums: Sums, i: Any) -> tuple[Sums, Any]:
         return micro_step(acc, acc.with_batch(args, take(views, i)), sums, placement)
