@@ -7,9 +7,12 @@ tree is never copied) gets the change, and the tests that cover the mutated code
 
 - ``killed``: a test FAILED on an assertion (``AssertionError``, a ``pytest.raises`` that did
   not raise or did not match, ``pytest.fail``); ``killed_by`` names that test;
-- ``crashed``: the first failure is another exception (inside JAX, flax, the library; a
-  subprocess script that died with a traceback), a setup or collection error, or a timeout.
-  A crash is not a kill: the suite noticed only because something blew up;
+- ``crashed``: the failures are other exceptions (inside JAX, flax, the library; a
+  subprocess script that died with a traceback), setup or collection errors, or a timeout.
+  A crash is not a kill: the suite noticed only because something blew up. When the first
+  failure is a crash the selected tests are run again without ``-x``: if one of them fails on
+  an assertion (a guard for a silent variant of the bug) the mutant is ``killed`` by it and
+  ``crashed_first`` keeps the crash;
 - ``survived``: every selected test passed, a hole in the suite (or an equivalent mutant);
 - ``not applicable``: the text is not found exactly once in the file (fix the mutant).
 
@@ -362,10 +365,11 @@ def check_imports_from(tree: pathlib.Path) -> None:
 _TRACEBACK_END = re.compile(r"^(\w+(?:\.\w+)*(?:Error|Exception|Exit|Interrupt)\b.*)$", re.M)
 
 
-def classify(report: pathlib.Path) -> tuple[str, str | None]:
-    """``(status, killed_by)`` from pytest's JUnit XML report of a failing run."""
-    root = ET.parse(report).getroot()
-    for case in root.iter("testcase"):
+def outcomes(report: pathlib.Path) -> list[tuple[str, str]]:
+    """``(status, test and message)`` of every failing test in pytest's JUnit XML report, in
+    the order run: ``killed`` for an assertion, ``crashed`` for anything else."""
+    found = []
+    for case in ET.parse(report).getroot().iter("testcase"):
         for tag in ("failure", "error"):
             node = case.find(tag)
             if node is None:
@@ -375,16 +379,18 @@ def classify(report: pathlib.Path) -> tuple[str, str | None]:
             text = node.text or ""
             first = message.splitlines()[0][:160] if message else ""
             if tag == "error":  # setup/teardown or collection
-                return "crashed", f"{name} (error: {first})"
+                found.append(("crashed", f"{name} (error: {first})"))
+                continue
             assertion = message.startswith(("AssertionError", "Failed:", "assert "))
             if assertion and "Traceback (most recent call last)" in message + text:
                 # a subprocess script's output embedded in the assertion: did it die of an
                 # exception other than an assertion?
                 ends = _TRACEBACK_END.findall(message or text)
                 if ends and not ends[-1].startswith("AssertionError"):
-                    return "crashed", f"{name} (subprocess: {ends[-1][:160]})"
-            return ("killed" if assertion else "crashed"), f"{name} ({first})"
-    return "crashed", "no failing test in the report"
+                    found.append(("crashed", f"{name} (subprocess: {ends[-1][:160]})"))
+                    continue
+            found.append(("killed" if assertion else "crashed", f"{name} ({first})"))
+    return found or [("crashed", "no failing test in the report")]
 
 
 def run(mutant: Mutant, pristine: pathlib.Path, scratch: pathlib.Path) -> dict:
@@ -429,10 +435,24 @@ def run(mutant: Mutant, pristine: pathlib.Path, scratch: pathlib.Path) -> dict:
     elif proc.returncode == 5:
         status, by = "no tests collected", " ".join(cmd[-4:])
     elif report.exists():
-        status, by = classify(report)
+        status, by = outcomes(report)[0]
     else:
         status, by = "crashed", (proc.stdout + proc.stderr).strip().splitlines()[-1][:200]
     out: dict[str, Any] = {**record, "status": status, "killed_by": by, "seconds": seconds}
+    if status == "crashed" and report.exists():
+        # the suite noticed the mutant only by an exception; do the other selected tests (a
+        # guard written for a silent variant of the bug) kill it with an assertion?
+        report.unlink()
+        try:
+            subprocess.run([a for a in cmd if a != "-x"], cwd=work, capture_output=True,
+                           text=True, timeout=TIMEOUT_S, env=environment(work))
+        except subprocess.TimeoutExpired:
+            pass
+        kills = [by for st, by in outcomes(report) if st == "killed"] if report.exists() else []
+        out["crashed_first"] = by
+        if kills:
+            out.update(status="killed", killed_by=kills[0])
+        out["seconds"] = round(time.time() - start, 1)
     if missing:
         out["missing_tests"] = missing
     return out
