@@ -258,7 +258,7 @@ MUTANTS = [
            "if opts.divides_safely:  # a step of weight 0 changes nothing",
            "if opts.weighted:  # a step of weight 0 changes nothing", NNX),
     Mutant("nnx step ignores the optimizer's wrt", "jaxaccum/nnx.py",
-           "optimizer.wrt if wrt is", "nnx.Param if wrt is", NNX),
+           "optimizer.wrt if wrt is", "nnx.Param if wrt is", NNX + (GUARDS, "-k", "nnx")),
     Mutant("nnx value_and_grad does not write the carried state back", "jaxaccum/nnx.py",
            "        write_back()\n        return _value_and_grad.shape_value(acc, res, "
            "with_carry=False), res.grads",

@@ -20,10 +20,13 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from conftest import mlp_apply, mlp_params, random_batch
+from flax import nnx
 
 import jaxaccum
+import jaxaccum.nnx
 
 PARAMS = mlp_params(jax.random.key(0))
 BATCH = random_batch(jax.random.key(1), 64)
@@ -390,7 +393,6 @@ def test_keyword_arguments_with_defaults_reach_every_microbatch():
 def test_multi_steps_passes_optional_extra_args_to_the_inner_transform():
     """An inner transform whose extra argument has a default (``scale=1.0``) gets the value
     given on the emitting call, not its default."""
-    import optax
 
     def update(updates, state, params=None, *, scale=1.0, **extra):
         return jax.tree.map(lambda u: scale * u, updates), state
@@ -427,7 +429,6 @@ def test_two_carried_scalars_in_reversed_order_are_not_swapped():
 def test_plan_total_counts_donated_outputs_once():
     """With an optimizer the step donates params and state: outputs that reuse their buffers
     are counted once, so a budget of exactly that total fits."""
-    import optax
 
     params = {"w1": jnp.zeros((64, 256)), "w2": jnp.zeros((256, 1))}
     data = jax.ShapeDtypeStruct((512, 64), jnp.float32)
@@ -461,3 +462,38 @@ def test_conv_rewrite_puts_batch_and_features_back_when_they_have_one_size():
     expected = jax.jit(conv)(x, w)
     assert expected.shape == (4, 4, 4, 4)
     np.testing.assert_array_equal(jax.jit(_conv_layout.canonical_convs(conv))(x, w), expected)
+
+
+class Adapted(nnx.Module):
+    """A frozen kernel and a low-rank adapter held in a Variable type of its own (LoRA-style):
+    an optimizer with ``wrt=Adapter`` trains only the adapter."""
+
+    def __init__(self):
+        self.kernel = nnx.Param(jnp.ones((8, 4)) / 8)
+        self.down = Adapter(jnp.ones((8, 2)) / 4)
+        self.up = Adapter(jnp.ones((2, 4)) / 2)
+
+    def __call__(self, x):
+        return x @ self.kernel + (x @ self.down) @ self.up
+
+
+class Adapter(nnx.Variable):
+    pass
+
+
+def test_nnx_step_trains_the_variables_the_optimizer_holds_even_if_not_params():
+    x, y = random_batch(jax.random.key(1), 16, sizes=(8, 4))
+
+    def loss_fn(model, batch):
+        x, y = batch
+        return jnp.mean((model(x) - y) ** 2)
+
+    model = Adapted()
+    optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=Adapter)
+    jaxaccum.nnx.train_step(loss_fn, num_microbatches=4)(model, optimizer, (x, y))
+    ref = Adapted()
+    grads = nnx.grad(loss_fn, argnums=nnx.DiffState(0, Adapter))(ref, (x, y))
+    np.testing.assert_array_equal(model.kernel[...], jnp.ones((8, 4)) / 8)  # frozen
+    np.testing.assert_allclose(model.down[...], ref.down[...] - 0.1 * grads["down"][...],
+                               rtol=1e-5)
+    np.testing.assert_allclose(model.up[...], ref.up[...] - 0.1 * grads["up"][...], rtol=1e-5)
