@@ -4,6 +4,7 @@ The Flax front ends are submodules, imported on their own: ``jaxaccum.nnx`` (nee
 ``jaxaccum.linen`` (duck-typed, for ``flax.training.train_state.TrainState``).
 """
 
+from jaxaccum._coupled import coupled_value_and_grad, statistics_first
 from jaxaccum._keys import per_example_keys
 from jaxaccum._multi_steps import (
     MultiStepsState,
@@ -25,10 +26,12 @@ __all__ = [
     "Options",
     "StepInfo",
     "TrainStep",
+    "coupled_value_and_grad",
     "has_updated",
     "multi_steps",
     "per_example_keys",
     "plan_microbatches",
+    "statistics_first",
     "train_step",
     "value_and_grad",
 ]

@@ -1,0 +1,173 @@
+"""Losses that couple the examples of a batch, accumulated exactly.
+
+Two mechanisms, both built on the one pipeline (so every placement runs them):
+
+- :func:`coupled_value_and_grad`, gradient through representations (GradCache, Gao et al.
+  2021, generalised): a forward-only pass produces every micro-batch's representations; the
+  coupled loss and its gradient with respect to the representations are computed on the
+  whole batch's ``(B, ...)`` representations; a second pass replays each micro-batch's forward
+  and pulls its slice of those cotangents back through it. Exact; memory is the
+  representations plus one micro-batch's activations; the price is one extra forward.
+- :func:`statistics_first`: a forward-only pass sums the statistics the loss needs over the
+  whole batch (expert loads, group sums, token counts); the accumulation then runs with those
+  global statistics as a constant. Exact when the gradient does not flow through them.
+
+Randomness must replay bit-identically in the second pass: draw it from per-example keys in
+the batch (:func:`jaxaccum.per_example_keys`).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxaccum import _arguments, _options, _validation, _value_and_grad
+
+
+def _forward(entry: str, fun: Callable[..., Any], options: dict[str, Any], how: str) -> Any:
+    """A pass of the pipeline that only evaluates ``fun`` (a constant zero loss: no gradient
+    is computed) and returns its output combined across micro-batches as ``how`` says."""
+
+    def zero_loss(params: Any, *args: Any) -> tuple[jax.Array, Any]:
+        return jnp.zeros((), jnp.float32), fun(jax.lax.stop_gradient(params), *args)
+
+    return _value_and_grad.value_and_grad(zero_loss, has_aux=how, **options)
+
+
+def coupled_value_and_grad(
+    encode: Callable[..., Any],
+    loss: Callable[..., Any],
+    **options: Any,
+) -> Callable[..., tuple[Any, Any]]:
+    """``jax.value_and_grad`` of a loss that couples the whole batch, over k micro-batches.
+
+    ``encode(params, microbatch, *rest)`` returns per-example representations (a pytree whose
+    leaves have the micro-batch's leading axis: embeddings, scores). ``loss(params, reps,
+    batch, *rest)`` returns the scalar loss of the whole batch from the whole batch's
+    representations, in batch order (in-batch negatives, a CLIP/InfoNCE loss, a late-
+    interaction score). The result equals ``jax.value_and_grad(lambda p, b, *r: loss(p,
+    encode(p, b, *r), b, *r))(params, batch, *rest)`` up to float rounding, for any k; the
+    gradient reaches ``params`` through the representations and through ``loss``'s own use of
+    ``params`` (a temperature).
+
+    Args:
+      encode: the per-example part of the model.
+      loss: the batch-coupled loss on the representations.
+      **options: the accumulation options (:class:`jaxaccum.Options`): ``num_microbatches``
+        or ``microbatch_size``, ``accumulator_dtype``, ``mesh``, ``unroll``. ``has_aux``,
+        ``weighted`` and ``skip_nonfinite`` are not taken (a coupled loss is one number for
+        the whole batch).
+
+    Returns:
+      A function ``(params, batch, *rest) -> (loss, grads)``.
+
+    Raises:
+      TypeError: an unknown option, or ``has_aux``/``weighted``/``skip_nonfinite``.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, jaxaccum
+      >>> def encode(w, x):
+      ...     return jnp.tanh(x @ w)
+      >>> def loss(w, z, x):  # every example against every other: in-batch negatives
+      ...     logits = z @ z.T
+      ...     return -jnp.mean(jax.nn.log_softmax(logits)[jnp.arange(len(z)), jnp.arange(len(z))])
+      >>> w, x = jnp.eye(3) * 0.5, jnp.arange(24.0).reshape(8, 3) / 10
+      >>> full = jax.value_and_grad(lambda w, x: loss(w, encode(w, x), x))(w, x)
+      >>> micro = jax.jit(jaxaccum.coupled_value_and_grad(encode, loss, num_microbatches=4))(w, x)
+      >>> bool(jnp.allclose(full[0], micro[0])), bool(jnp.allclose(full[1], micro[1], atol=1e-6))
+      (True, True)
+    """
+    entry = "jaxaccum.coupled_value_and_grad"
+    for name in ("has_aux", "weighted", "skip_nonfinite"):
+        if name in options:
+            raise TypeError(
+                f"{entry}: {name}= is not taken: a coupled loss is one number for the whole "
+                "batch (return extra outputs from encode and compute them outside)"
+            )
+    _options.parse(entry, options)  # checks the options now
+    forward = _forward(entry, encode, options, "concat")
+
+    @functools.wraps(loss)
+    def accumulated(params: Any, batch: Any, *rest: Any) -> tuple[Any, Any]:
+        (_, reps), _ = forward(params, batch, *rest)
+        value, (direct, cotangents) = jax.value_and_grad(loss, argnums=(0, 1))(
+            params, reps, batch, *rest)
+        size = _validation.leading_batch_size((batch,), (0,), entry)
+
+        def surrogate(p: Any, both: Any, *r: Any) -> tuple[jax.Array, jax.Array]:
+            micro, cot = both  # <encode(p, micro), its cotangent>, scaled for the mean
+            z = encode(p, micro, *r)
+            dot = sum(jnp.vdot(a, b).real for a, b in zip(jax.tree.leaves(z),
+                                                         jax.tree.leaves(cot), strict=True))
+            m = jax.tree.leaves(micro)[0].shape[0]
+            return dot * (size / m), jnp.asarray(m, jnp.float32)
+
+        pullback = _value_and_grad.value_and_grad(surrogate, weighted=True, **options)
+        _, through_reps = pullback(params, (batch, cotangents), *rest)
+        grads = jax.tree.map(jnp.add, direct, through_reps)
+        return value, grads
+
+    return accumulated
+
+
+def statistics_first(
+    stats: Callable[..., Any],
+    fun: Callable[..., Any],
+    **options: Any,
+) -> Callable[..., tuple[Any, Any]]:
+    """``value_and_grad`` of a loss that needs statistics of the whole batch.
+
+    ``stats(params, microbatch, *rest)`` returns the micro-batch's **sums** (expert token
+    counts, per-group reward sums and counts, numbers of tokens); they are summed over the
+    whole batch (and the data-parallel devices) in a forward-only pass, then ``fun(params,
+    microbatch, totals, *rest)`` (the mean loss over its examples, as for
+    :func:`jaxaccum.value_and_grad`) is accumulated with those totals as a constant. Exact
+    whenever no gradient flows through the statistics (MoE load fractions, GRPO advantages,
+    normalisers): the result equals ``jax.value_and_grad`` of ``fun(params, batch,
+    stop_gradient(stats(params, batch)))`` on the full batch.
+
+    Args:
+      stats: the statistics of one micro-batch, as sums.
+      fun: the loss, given the whole batch's totals.
+      **options: the accumulation options (:class:`jaxaccum.Options`), for the loss.
+
+    Returns:
+      A function ``(params, batch, *rest) -> (value, grads)`` shaped as
+      :func:`jaxaccum.value_and_grad` shapes it.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, jaxaccum
+      >>> def stats(w, x):  # the batch's sum and count
+      ...     return {"sum": jnp.sum(x @ w), "n": jnp.asarray(x.shape[0], jnp.float32)}
+      >>> def loss(w, x, totals):  # centred by the whole batch's mean
+      ...     return jnp.mean((x @ w - totals["sum"] / totals["n"]) ** 2)
+      >>> w, x = jnp.ones(3), jnp.arange(24.0).reshape(8, 3) / 10
+      >>> def full_loss(w, x):
+      ...     return loss(w, x, jax.lax.stop_gradient(stats(w, x)))
+      >>> full = jax.value_and_grad(full_loss)(w, x)
+      >>> micro = jax.jit(jaxaccum.statistics_first(stats, loss, num_microbatches=4))(w, x)
+      >>> bool(jnp.allclose(full[0], micro[0])), bool(jnp.allclose(full[1], micro[1]))
+      (True, True)
+    """
+    entry = "jaxaccum.statistics_first"
+    opts = _options.parse(entry, options)
+    forward = _forward(entry, stats, {k: v for k, v in options.items()
+                                      if k not in ("has_aux", "weighted", "skip_nonfinite")},
+                       "sum")
+
+    def with_totals(params: Any, batch: Any, totals: Any, *rest: Any) -> Any:
+        return fun(params, batch, jax.lax.stop_gradient(totals), *rest)
+
+    acc = _arguments.make(entry, with_totals, opts)
+
+    @functools.wraps(fun)
+    def accumulated(params: Any, batch: Any, *rest: Any) -> tuple[Any, Any]:
+        (_, totals), _ = forward(params, batch, *rest)
+        res = _value_and_grad.call(acc, (params, batch, totals, *rest))
+        return _value_and_grad.shape_value(acc, res), res.grads
+
+    return accumulated

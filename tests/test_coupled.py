@@ -1,0 +1,219 @@
+"""Losses that couple the batch: in-batch negatives (CLIP/InfoNCE, late interaction) through
+the representations, and global-batch statistics (MoE load balancing, GRPO group advantages)
+first. Each equals the full batch within float32 rounding of a float64 reference, for any k."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import assert_within_rounding, max_rel_diff, to_float64
+
+import jaxaccum
+
+B, D, E = 64, 12, 8
+
+
+def tower(key, sizes=(D, 16, E)):
+    k1, k2 = jax.random.split(key)
+    return {"w1": jax.random.normal(k1, sizes[:2]) / np.sqrt(sizes[0]),
+            "w2": jax.random.normal(k2, sizes[1:]) / np.sqrt(sizes[1])}
+
+
+def apply_tower(p, x, keep=None):
+    h = jnp.tanh(x @ p["w1"])
+    if keep is not None:  # dropout from per-example keys: the same masks in both passes
+        h = jnp.where(keep, h / 0.75, 0.0)
+    z = h @ p["w2"]
+    return z / jnp.linalg.norm(z, axis=-1, keepdims=True)
+
+
+def masks(keys, width):
+    """keep-masks drawn as bits against a threshold: the same in float32 and float64 runs."""
+    bits = jax.vmap(lambda k: jax.random.bits(k, (width,), jnp.uint32))(keys)
+    return bits < jnp.uint32(int(0.75 * 2**32))
+
+
+def encode(params, batch):
+    x_img, x_txt, keys = batch
+    keep = masks(keys, params["img"]["w1"].shape[1])
+    return apply_tower(params["img"], x_img, keep), apply_tower(params["txt"], x_txt)
+
+
+def clip_loss(params, reps, batch):
+    """The symmetric CLIP loss: every image against every text of the batch."""
+    z_img, z_txt = reps
+    logits = z_img @ z_txt.T * jnp.exp(params["log_t"])
+    labels = jnp.arange(logits.shape[0])
+    a = -jnp.mean(jax.nn.log_softmax(logits, axis=1)[labels, labels])
+    b = -jnp.mean(jax.nn.log_softmax(logits, axis=0)[labels, labels])
+    return (a + b) / 2
+
+
+def clip_data():
+    keys = jax.random.split(jax.random.key(0), 4)
+    params = {"img": tower(keys[0]), "txt": tower(keys[1]), "log_t": jnp.asarray(1.5)}
+    x = jax.random.normal(keys[2], (B, D))
+    batch = (x, x + 0.3 * jax.random.normal(keys[3], (B, D)),
+             jax.random.key_data(jaxaccum.per_example_keys(jax.random.key(5), B)))
+    return params, batch
+
+
+def full_and_reference(loss_of_batch, params, batch):
+    """The full batch in float32 and in float64 (the rounding reference)."""
+    full32 = jax.jit(jax.value_and_grad(loss_of_batch))(params, batch)
+    with jax.enable_x64(True):
+        ref = jax.jit(jax.value_and_grad(loss_of_batch))(to_float64(params), to_float64(batch))
+        ref64 = jax.tree.map(lambda a: np.asarray(a, np.float64), ref)
+    return full32, ref64
+
+
+def raw_keys(batch):
+    return (*batch[:2], jax.random.wrap_key_data(batch[2]))
+
+
+@pytest.mark.parametrize("k", [1, 2, 8, 32])
+def test_clip_loss_through_representations_equals_the_full_batch(k):
+    params, batch = clip_data()
+
+    def full(p, b):
+        return clip_loss(p, encode(p, raw_keys(b)), b)
+
+    full32, ref64 = full_and_reference(full, params, batch)
+    fn = jaxaccum.coupled_value_and_grad(lambda p, b: encode(p, raw_keys(b)), clip_loss,
+                                         num_microbatches=k)
+    got = jax.jit(fn)(params, batch)
+    err, err_full = assert_within_rounding(got, full32, ref64)
+    print(f"CLIP k={k}: error vs float64 {err:.2e}, full batch float32 {err_full:.2e}")
+    # the objective plain accumulation optimises instead: B/k - 1 negatives per example
+    plain = jax.jit(jaxaccum.value_and_grad(full, num_microbatches=k))(params, batch)
+    if k > 1:
+        assert max_rel_diff(plain, ref64) > 1e-2
+
+
+def test_late_interaction_max_sim_equals_the_full_batch():
+    """ColBERT-like scores: each query token's best match among a document's tokens."""
+    keys = jax.random.split(jax.random.key(1), 3)
+    params = {"q": tower(keys[0]), "d": tower(keys[1]), "log_t": jnp.asarray(1.0)}
+    tokens = jax.random.normal(keys[2], (B, 2, 5, D))  # (query, document) x 5 tokens
+
+    def encode_tokens(p, x):
+        return apply_tower(p["q"], x[:, 0]), apply_tower(p["d"], x[:, 1])
+
+    def max_sim_loss(p, reps, x):
+        q, d = reps  # (B, 5, E) each
+        sim = jnp.einsum("qse,dte->qdst", q, d).max(-1).sum(-1) * jnp.exp(p["log_t"])
+        return -jnp.mean(jnp.diagonal(jax.nn.log_softmax(sim, axis=1)))
+
+    def full(p, x):
+        return max_sim_loss(p, encode_tokens(p, x), x)
+
+    full32, ref64 = full_and_reference(full, params, tokens)
+    for k in (2, 8):
+        got = jax.jit(jaxaccum.coupled_value_and_grad(encode_tokens, max_sim_loss,
+                                                      num_microbatches=k))(params, tokens)
+        assert_within_rounding(got, full32, ref64)
+
+
+def test_dropout_masks_replay_identically_in_the_second_pass():
+    """With per-example keys the replayed forward draws the first pass's masks: the result is
+    the full batch's with the same masks, and other masks give another gradient."""
+    params, batch = clip_data()
+    fn = jax.jit(jaxaccum.coupled_value_and_grad(lambda p, b: encode(p, raw_keys(b)), clip_loss,
+                                                 num_microbatches=8))
+    got = fn(params, batch)
+    full = jax.jit(jax.value_and_grad(lambda p, b: clip_loss(p, encode(p, raw_keys(b)), b)))
+    np.testing.assert_allclose(got[0], full(params, batch)[0], rtol=1e-6)
+    assert max_rel_diff(got[1], full(params, batch)[1]) < 1e-5
+    other = (*batch[:2], jax.random.key_data(jaxaccum.per_example_keys(jax.random.key(6), B)))
+    assert max_rel_diff(got[1], full(params, other)[1]) > 1e-3
+
+
+def test_coupled_refuses_options_without_meaning():
+    with pytest.raises(TypeError, match="jaxaccum.coupled_value_and_grad: has_aux= is not"):
+        jaxaccum.coupled_value_and_grad(encode, clip_loss, num_microbatches=2, has_aux=True)
+
+
+# --- statistics first: MoE load balancing, GRPO -------------------------------------------------
+
+
+def router(params, x):
+    return jax.nn.softmax(x @ params["router"], axis=-1)  # (n, experts)
+
+
+def moe_stats(params, batch):
+    """Sums over the micro-batch: tokens routed to each expert (top 2), router probabilities."""
+    x, _ = batch
+    probs = router(params, x)
+    top2 = jax.nn.one_hot(jax.lax.top_k(probs, 2)[1], probs.shape[-1]).sum(1)
+    return {"routed": top2.sum(0), "n": jnp.asarray(x.shape[0], jnp.float32)}
+
+
+def moe_loss(params, batch, totals):
+    """Task loss plus the global-batch load-balancing term E * sum_e f_e P_e, f_e the whole
+    batch's routed fractions (no gradient), P_e the mean router probability."""
+    x, y = batch
+    probs = router(params, x)
+    experts = jnp.einsum("nd,edo->neo", x, params["experts"])
+    out = jnp.einsum("ne,neo->no", probs, experts)
+    task = jnp.mean((out - y) ** 2)
+    f = totals["routed"] / (2 * totals["n"])
+    balance = probs.shape[-1] * jnp.sum(f * jnp.mean(probs, axis=0))
+    return task + 0.1 * balance
+
+
+def test_moe_global_load_balancing_equals_the_full_batch():
+    keys = jax.random.split(jax.random.key(2), 4)
+    params = {"router": jax.random.normal(keys[0], (D, 8)),
+              "experts": jax.random.normal(keys[1], (8, D, 4)) / np.sqrt(D)}
+    batch = (jax.random.normal(keys[2], (B, D)), jax.random.normal(keys[3], (B, 4)))
+
+    def full(p, b):
+        return moe_loss(p, b, jax.lax.stop_gradient(moe_stats(p, b)))
+
+    full32, ref64 = full_and_reference(full, params, batch)
+    for k in (2, 8, 32):
+        got = jax.jit(jaxaccum.statistics_first(moe_stats, moe_loss, num_microbatches=k))(
+            params, batch)
+        assert_within_rounding(got, full32, ref64)
+    # per-micro-batch balancing (the statistics of each micro-batch alone) is another loss
+    local = jax.jit(jaxaccum.value_and_grad(full, num_microbatches=8))(params, batch)
+    assert max_rel_diff(local, ref64) > 1e-3
+
+
+GROUPS, G = 8, 8  # 8 prompts x 8 completions, each group contiguous: it spans micro-batches
+
+
+def grpo_stats(params, batch):
+    _, reward, group = batch
+    one_hot = jax.nn.one_hot(group, GROUPS)
+    return {"sum": one_hot.T @ reward, "sq": one_hot.T @ reward**2, "n": one_hot.sum(0)}
+
+
+def grpo_loss(params, batch, totals):
+    """-mean(A * log p), A the reward normalised by its group's mean and std (whole batch)."""
+    x, reward, group = batch
+    mean = totals["sum"] / totals["n"]
+    std = jnp.sqrt(jnp.maximum(totals["sq"] / totals["n"] - mean**2, 0.0)) + 1e-4
+    advantage = (reward - mean[group]) / std[group]
+    logp = jax.nn.log_sigmoid(x @ params["w"])
+    return -jnp.mean(advantage * logp)
+
+
+def test_grpo_group_normalised_advantages_equal_the_full_batch():
+    keys = jax.random.split(jax.random.key(3), 3)
+    params = {"w": jax.random.normal(keys[0], (D,)) / np.sqrt(D)}
+    batch = (jax.random.normal(keys[1], (B, D)), jax.random.normal(keys[2], (B,)),
+             jnp.repeat(jnp.arange(GROUPS), G))
+
+    def full(p, b):
+        return grpo_loss(p, b, jax.lax.stop_gradient(grpo_stats(p, b)))
+
+    full32, ref64 = full_and_reference(full, params, batch)
+    for k in (2, 8):
+        got = jax.jit(jaxaccum.statistics_first(grpo_stats, grpo_loss, num_microbatches=k))(
+            params, batch)
+        assert_within_rounding(got, full32, ref64)
+    local = jax.jit(jaxaccum.value_and_grad(full, num_microbatches=8))(params, batch)
+    assert max_rel_diff(local, ref64) > 1e-2
