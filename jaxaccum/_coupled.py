@@ -101,8 +101,8 @@ def coupled_value_and_grad(
         def surrogate(p: Any, both: Any, *r: Any) -> tuple[jax.Array, jax.Array]:
             micro, cot = both  # <encode(p, micro), its cotangent>, scaled for the mean
             z = encode(p, micro, *r)
-            dot = sum(jnp.vdot(a, b).real for a, b in zip(jax.tree.leaves(z),
-                                                         jax.tree.leaves(cot), strict=True))
+            dot = sum(jnp.sum(a * b) for a, b in zip(jax.tree.leaves(z), jax.tree.leaves(cot),
+                                                     strict=True))
             m = jax.tree.leaves(micro)[0].shape[0]
             return dot * (size / m), jnp.asarray(m, jnp.float32)
 
