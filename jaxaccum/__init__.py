@@ -4,6 +4,7 @@ The Flax front ends are submodules, imported on their own: ``jaxaccum.nnx`` (nee
 ``jaxaccum.linen`` (duck-typed, for ``flax.training.train_state.TrainState``).
 """
 
+from jaxaccum._check import CheckReport, check
 from jaxaccum._coupled import coupled_value_and_grad, statistics_first
 from jaxaccum._keys import per_example_keys
 from jaxaccum._multi_steps import (
@@ -18,6 +19,7 @@ from jaxaccum._train_step import StepInfo, TrainStep, train_step
 from jaxaccum._value_and_grad import value_and_grad
 
 __all__ = [
+    "CheckReport",
     "DataParallel",
     "MemoryEstimate",
     "MicrobatchPlan",
@@ -26,6 +28,7 @@ __all__ = [
     "Options",
     "StepInfo",
     "TrainStep",
+    "check",
     "coupled_value_and_grad",
     "has_updated",
     "multi_steps",

@@ -24,3 +24,12 @@ def test_coupled_loss_on_meshes_equals_one_device_and_keeps_loops_local(out, cas
     assert r["loss_rel"] <= EXACT and r["grads_rel"] <= EXACT
     assert r["reductions"]["in loops"] == 0
     assert r["gathers_in_loops"] == 0
+
+
+def test_check_passes_jaxaccum_and_names_a_reduction_per_microbatch(out):
+    """jaxaccum.check on an Auto (8,) mesh: jaxaccum's step reduces once, after the loop; a jit
+    of a scan over the sharded micro-batches reduces every micro-batch's gradient in it."""
+    ours, naive = out["check"]["jaxaccum"], out["check"]["naive_scan"]
+    assert ours["ok"] and ours["reductions"] >= 1 and ours["in_loops"] == 0
+    assert not naive["ok"] and naive["in_loops"] >= 1
+    assert "inside a loop, once per micro-batch" in naive["problems"][0]

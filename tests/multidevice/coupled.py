@@ -80,7 +80,44 @@ def main() -> None:
                 "reductions": _hlo.gradient_reductions(hlo, shape[0]),
                 "gathers_in_loops": counts["all-gather in loops"],
             }
+    out["check"] = check_on_a_mesh(params, batch)
     emit(out)
+
+
+def check_on_a_mesh(params: Params, batch: Any) -> dict[str, Any]:
+    """jaxaccum.check on an Auto (8,) mesh: jaxaccum's step, and a jit of a scan over
+    micro-batches of the sharded batch (the partitioner reduces every micro-batch's gradient
+    in the loop)."""
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
+    k = 4
+
+    def mse(p: Params, b: Any) -> jax.Array:  # a per-example loss
+        z_img, z_txt = encode(p, b)
+        return jnp.mean((z_img - z_txt) ** 2)
+
+    def naive(p: Params, b: Any) -> tuple[jax.Array, Any]:
+        # strided micro-batches, each still split over the devices (as jaxaccum's are)
+        micro = jax.tree.map(
+            lambda a: a.reshape(a.shape[0] // k, k, *a.shape[1:]).swapaxes(0, 1), b)
+
+        def body(acc: Any, m: Any) -> tuple[Any, None]:
+            value, g = jax.value_and_grad(mse)(p, m)
+            return jax.tree.map(jnp.add, acc, (value, g)), None
+
+        zero = (jnp.zeros(()), jax.tree.map(jnp.zeros_like, p))
+        total, _ = jax.lax.scan(body, zero, micro)
+        return jax.tree.map(lambda t: t / k, total)
+
+    out: dict[str, Any] = {}
+    with jax.set_mesh(mesh):
+        p = jax.device_put(params, NamedSharding(mesh, P()))
+        b = jax.device_put(batch, NamedSharding(mesh, P("data")))
+        for name, step in (("jaxaccum", None), ("naive_scan", naive)):
+            report = jaxaccum.check(mse, p, b, step=step, num_microbatches=k, mesh=mesh)
+            out[name] = {"ok": report.ok, "problems": report.problems,
+                         "reductions": report.reductions,
+                         "in_loops": report.reductions_in_loops}
+    return out
 
 
 if __name__ == "__main__":

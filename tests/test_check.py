@@ -1,0 +1,56 @@
+"""jaxaccum.check on one device: a correct step passes; a gradient scaled wrong, a coupled loss
+accumulated as if it were not, and a step fed one micro-batch's gradient are each named."""
+
+from __future__ import annotations
+
+import jax
+import pytest
+from conftest import mlp_params, mse_loss, random_batch
+from test_coupled import clip_data, clip_loss, encode, raw_keys
+
+import jaxaccum
+
+PARAMS, BATCH = mlp_params(jax.random.key(0)), random_batch(jax.random.key(1), 64)
+
+
+def test_a_correct_step_passes_with_its_numbers():
+    report = jaxaccum.check(mse_loss, PARAMS, BATCH, num_microbatches=8)
+    assert report.ok and not report.problems
+    assert report.error <= report.bound and abs(report.scale - 1) < 1e-5
+    assert report.reductions == report.reductions_in_loops == 0  # one device
+
+
+def test_a_gradient_scaled_wrong_is_named_with_its_factor():
+    k = 8
+    summed = jaxaccum.value_and_grad(lambda p, b: k * mse_loss(p, b), num_microbatches=k)
+    report = jaxaccum.check(mse_loss, PARAMS, BATCH, step=summed, num_microbatches=k)
+    assert not report.ok
+    assert abs(report.scale - 8) < 1e-4
+    assert "the gradient is 8 times the full batch's" in report.problems[0]
+
+
+def test_only_the_last_microbatch_reaching_the_optimizer_is_caught():
+    def last_only(p, b):
+        micro = jax.tree.map(lambda a: a[7::8], b)
+        return jax.value_and_grad(mse_loss)(p, micro)
+
+    report = jaxaccum.check(mse_loss, PARAMS, BATCH, step=last_only, num_microbatches=8)
+    assert not report.ok and "does not compute the full-batch gradient" in report.problems[0]
+
+
+def test_a_coupled_loss_through_plain_accumulation_is_caught_and_the_fix_passes():
+    params, batch = clip_data()
+
+    def full(p, b):
+        return clip_loss(p, encode(p, raw_keys(b)), b)
+
+    plain = jaxaccum.check(full, params, batch, num_microbatches=4)
+    assert not plain.ok and "coupled_value_and_grad" in plain.problems[0]
+    coupled = jaxaccum.coupled_value_and_grad(lambda p, b: encode(p, raw_keys(b)), clip_loss,
+                                              num_microbatches=4)
+    assert jaxaccum.check(full, params, batch, step=coupled, num_microbatches=4).ok
+
+
+def test_check_names_itself_in_option_errors():
+    with pytest.raises(TypeError, match="jaxaccum.check got an unknown option"):
+        jaxaccum.check(mse_loss, PARAMS, BATCH, k=4)
