@@ -29,13 +29,21 @@ from jaxaccum import _arguments, _options, _validation, _value_and_grad
 
 
 def _forward(entry: str, fun: Callable[..., Any], options: dict[str, Any], how: str) -> Any:
-    """A pass of the pipeline that only evaluates ``fun`` (a constant zero loss: no gradient
-    is computed) and returns its output combined across micro-batches as ``how`` says."""
+    """A pass of the pipeline that only evaluates ``fun`` and returns its output combined
+    across micro-batches as ``how`` says: the differentiated argument is a scalar placeholder
+    (the loss itself), so no parameter gradient is computed or accumulated."""
 
-    def zero_loss(params: Any, *args: Any) -> tuple[jax.Array, Any]:
-        return jnp.zeros((), jnp.float32), fun(jax.lax.stop_gradient(params), *args)
+    def placeholder_loss(zero: jax.Array, params: Any, *args: Any) -> tuple[jax.Array, Any]:
+        return zero, fun(params, *args)
 
-    return _value_and_grad.value_and_grad(zero_loss, has_aux=how, **options)
+    grad = _value_and_grad.value_and_grad(placeholder_loss, argnums=0, batch_argnums=2,
+                                          has_aux=how, **options)
+
+    def forward(params: Any, batch: Any, *rest: Any) -> Any:
+        (_, out), _ = grad(jnp.zeros((), jnp.float32), params, batch, *rest)
+        return out
+
+    return forward
 
 
 def coupled_value_and_grad(
@@ -93,7 +101,7 @@ def coupled_value_and_grad(
 
     @functools.wraps(loss)
     def accumulated(params: Any, batch: Any, *rest: Any) -> tuple[Any, Any]:
-        (_, reps), _ = forward(params, batch, *rest)
+        reps = forward(params, batch, *rest)
         value, (direct, cotangents) = jax.value_and_grad(loss, argnums=(0, 1))(
             params, reps, batch, *rest)
         size = _validation.leading_batch_size((batch,), (0,), entry)
@@ -166,7 +174,7 @@ def statistics_first(
 
     @functools.wraps(fun)
     def accumulated(params: Any, batch: Any, *rest: Any) -> tuple[Any, Any]:
-        (_, totals), _ = forward(params, batch, *rest)
+        totals = forward(params, batch, *rest)
         res = _value_and_grad.call(acc, (params, batch, totals, *rest))
         return _value_and_grad.shape_value(acc, res), res.grads
 
