@@ -2,7 +2,7 @@
 
 Two rewrites that XLA or JAX do not do for the micro-step use it: canonical convolution
 layouts for XLA:CPU (:mod:`jaxaccum._conv_layout`) and, on Explicit meshes, a bias added to
-a batch-sharded activation with its parameter kept ``reduced`` (:mod:`jaxaccum._sharding`).
+a batch-sharded activation with its parameter kept ``reduced`` (:mod:`jaxaccum._reduced`).
 Equations the rule leaves alone are bound as they are, so a function the rule never touches
 computes exactly what it did.
 """

@@ -1,6 +1,6 @@
 """What a micro-step adds into: gradient and weight sums, and the final division.
 
-Shared by the scan path (:mod:`jaxaccum._accumulate`) and the per-call path
+Shared by the scan path (:mod:`jaxaccum._pipeline`) and the per-call path
 (:mod:`jaxaccum._multi_steps`), so both define a weighted mean, a skipped micro-batch and an
 invalid weight the same way:
 
