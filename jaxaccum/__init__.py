@@ -5,7 +5,12 @@ The Flax front ends are submodules, imported on their own: ``jaxaccum.nnx`` (nee
 """
 
 from jaxaccum._check import CheckReport, check
-from jaxaccum._coupled import coupled_value_and_grad, statistics_first
+from jaxaccum._coupled import (
+    coupled_train_step,
+    coupled_value_and_grad,
+    statistics_first,
+    statistics_first_train_step,
+)
 from jaxaccum._keys import per_example_keys
 from jaxaccum._multi_steps import (
     MultiStepsState,
@@ -29,12 +34,14 @@ __all__ = [
     "StepInfo",
     "TrainStep",
     "check",
+    "coupled_train_step",
     "coupled_value_and_grad",
     "has_updated",
     "multi_steps",
     "per_example_keys",
     "plan_microbatches",
     "statistics_first",
+    "statistics_first_train_step",
     "train_step",
     "value_and_grad",
 ]

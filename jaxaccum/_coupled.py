@@ -24,8 +24,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import optax
 
-from jaxaccum import _arguments, _options, _validation, _value_and_grad
+from jaxaccum import _arguments, _options, _train_step, _validation, _value_and_grad
 
 
 def _forward(entry: str, fun: Callable[..., Any], options: dict[str, Any], how: str) -> Any:
@@ -179,3 +180,72 @@ def statistics_first(
         return _value_and_grad.shape_value(acc, res), res.grads
 
     return accumulated
+
+
+def coupled_train_step(
+    encode: Callable[..., Any],
+    loss: Callable[..., Any],
+    optimizer: optax.GradientTransformation,
+    *,
+    donate: bool = True,
+    **options: Any,
+) -> _train_step.TrainStep:
+    """:func:`jaxaccum.train_step` for a batch-coupled loss: one jitted, donating step
+    ``(params, opt_state, batch, *rest) -> (params, opt_state, loss, info)`` whose gradient is
+    :func:`coupled_value_and_grad`'s.
+
+    Args:
+      encode: as in :func:`coupled_value_and_grad`.
+      loss: as in :func:`coupled_value_and_grad`.
+      optimizer: any optax transform or chain.
+      donate: donate ``params`` and ``opt_state``.
+      **options: as in :func:`coupled_value_and_grad`.
+
+    Returns:
+      A :class:`jaxaccum.TrainStep`.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax, jaxaccum
+      >>> def encode(w, x):
+      ...     return jnp.tanh(x @ w)
+      >>> def loss(w, z, x):
+      ...     return -jnp.mean(jnp.diagonal(jax.nn.log_softmax(z @ z.T)))
+      >>> opt = optax.sgd(0.1)
+      >>> step = jaxaccum.coupled_train_step(encode, loss, opt, num_microbatches=4)
+      >>> w = jnp.eye(3) * 0.5
+      >>> w, state, value, info = step(w, opt.init(w), jnp.arange(24.0).reshape(8, 3) / 10)
+      >>> int(info.num_microbatches)
+      4
+    """
+    entry = "jaxaccum.coupled_train_step"
+    return _train_step.from_value_and_grad(
+        entry, coupled_value_and_grad(encode, loss, **options), optimizer, donate, options)
+
+
+def statistics_first_train_step(
+    stats: Callable[..., Any],
+    fun: Callable[..., Any],
+    optimizer: optax.GradientTransformation,
+    *,
+    donate: bool = True,
+    **options: Any,
+) -> _train_step.TrainStep:
+    """:func:`jaxaccum.train_step` for a loss that needs the whole batch's statistics: one
+    jitted, donating step whose gradient is :func:`statistics_first`'s (``has_aux`` is not
+    taken here: the step's ``info.aux`` is None).
+
+    Args:
+      stats: as in :func:`statistics_first`.
+      fun: as in :func:`statistics_first`.
+      optimizer: any optax transform or chain.
+      donate: donate ``params`` and ``opt_state``.
+      **options: the accumulation options.
+
+    Returns:
+      A :class:`jaxaccum.TrainStep`.
+    """
+    entry = "jaxaccum.statistics_first_train_step"
+    if "has_aux" in options:
+        raise TypeError(f"{entry}: has_aux= is not taken (use statistics_first for the aux)")
+    return _train_step.from_value_and_grad(
+        entry, statistics_first(stats, fun, **options), optimizer, donate, options)

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding
 
@@ -76,8 +77,11 @@ class TrainStep:
         acc: _arguments.Accumulation,
         optimizer: optax.GradientTransformation,
         donate: bool,
+        gradient: Callable[[tuple[Any, ...], Any], _pipeline.Result] | None = None,
     ) -> None:
         self._acc = acc
+        # (arguments of loss_fn, their shardings read before tracing) -> the accumulated result
+        self._gradient = gradient or (lambda args, hints: _value_and_grad.call(acc, args, hints))
         self._optimizer = optimizer
         self._donate = donate
         self._dp = acc.options.data_parallel
@@ -91,7 +95,7 @@ class TrainStep:
         def step(
             params: optax.Params, opt_state: optax.OptState, batch: Any, *rest: Any
         ) -> tuple[Any, ...]:
-            res = _value_and_grad.call(acc, (params, batch, *rest), arg_hints)
+            res = self._gradient((params, batch, *rest), arg_hints)
             new_params, new_state = apply_step(
                 optimizer, params, opt_state, res, acc.options.divides_safely, self._donate
             )
@@ -136,6 +140,33 @@ class TrainStep:
         """``jax.jit(...).trace`` of the step for these arguments."""
         with mesh_context(self._acc.options):
             return self._jitted(args).trace(*args)
+
+
+def from_value_and_grad(
+    entry: str,
+    value_and_grad: Callable[..., tuple[Any, Any]],
+    optimizer: optax.GradientTransformation,
+    donate: bool,
+    options: dict[str, Any],
+) -> TrainStep:
+    """A :class:`TrainStep` around an accumulated ``(params, batch, *rest) -> (loss, grads)``
+    (the coupled-loss mechanisms): its ``info`` holds the micro-batch count, weight 1, no skip."""
+    if not isinstance(optimizer, optax.GradientTransformation):
+        raise TypeError(
+            f"{entry}: optimizer must be an optax.GradientTransformation; got "
+            f"{type(optimizer).__name__}"
+        )
+    opts = _options.parse(entry, options)
+    acc = _arguments.make(entry, value_and_grad, opts)
+
+    def gradient(args: tuple[Any, ...], hints: Any) -> _pipeline.Result:
+        loss, grads = value_and_grad(*args)
+        size = jax.tree.leaves(args[1])[0].shape[0]
+        k = opts.num_microbatches or size // (opts.microbatch_size or size)
+        one, none = jnp.ones((), jnp.float32), jnp.zeros((), jnp.int32)
+        return _pipeline.Result(loss, grads, None, one, none, k)
+
+    return TrainStep(acc, optimizer, donate, gradient)
 
 
 def mesh_context(options: _options.Options) -> Any:

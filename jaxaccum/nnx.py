@@ -22,7 +22,7 @@ from typing import Any
 import jax
 from flax import nnx
 
-from jaxaccum import _arguments, _options, _reductions, _value_and_grad
+from jaxaccum import _arguments, _coupled, _options, _reductions, _value_and_grad
 from jaxaccum._pipeline import Result
 
 
@@ -278,3 +278,54 @@ def train_step(
         return jitted(model, optimizer, args, kwargs)  # keywords travel as one dict
 
     return run
+
+
+def coupled_value_and_grad(
+    encode: Callable[..., Any],
+    loss: Callable[..., Any],
+    *,
+    wrt: Any = nnx.Param,
+    **options: Any,
+) -> Callable[..., tuple[Any, nnx.State]]:
+    """:func:`jaxaccum.coupled_value_and_grad` for an NNX module: a loss that couples the batch.
+
+    ``encode(model, microbatch, *rest)`` returns per-example representations; ``loss(model,
+    reps, batch, *rest)`` the scalar loss of the whole batch from them. Returns ``(loss,
+    grads)`` with ``grads`` an ``nnx.State`` of the module's ``wrt`` variables (what
+    ``nnx.Optimizer.update`` takes). The module's other variables are constants here: both
+    passes see them as they are (so the replay draws what the first pass drew), and they are
+    not written back; draw randomness from per-example keys in the batch.
+
+    Args:
+      encode: the per-example part of the model.
+      loss: the batch-coupled loss.
+      wrt: the ``nnx`` filter of the variables to differentiate.
+      **options: as in :func:`jaxaccum.coupled_value_and_grad`.
+
+    Returns:
+      A function ``(model, batch, *rest) -> (loss, grads)``.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> from flax import nnx
+      >>> import jaxaccum.nnx
+      >>> model = nnx.Linear(3, 4, rngs=nnx.Rngs(0))
+      >>> def loss(m, z, x):
+      ...     return -jnp.mean(jnp.diagonal(jax.nn.log_softmax(z @ z.T)))
+      >>> fn = jaxaccum.nnx.coupled_value_and_grad(lambda m, x: m(x), loss, num_microbatches=4)
+      >>> value, grads = nnx.jit(fn)(model, jnp.arange(24.0).reshape(8, 3) / 10)
+      >>> grads["kernel"][...].shape
+      (3, 4)
+    """
+    def accumulated(model: nnx.Module, batch: Any, *rest: Any) -> tuple[Any, nnx.State]:
+        graphdef, params, state = _split(model, wrt)
+
+        def merged(p: Any) -> Any:
+            return nnx.merge(graphdef, p, state, copy=True)
+
+        fn = _coupled.coupled_value_and_grad(
+            lambda p, b, *r: encode(merged(p), b, *r),
+            lambda p, reps, b, *r: loss(merged(p), reps, b, *r), **options)
+        return fn(params, batch, *rest)
+
+    return accumulated
