@@ -87,7 +87,10 @@ def test_nnx_tutorial_metrics_with_concat_aux_equal_sequential_microbatches(mnis
     ours, ref = run(True), run(False)
     print(f"tutorial train accuracy: accumulated {float(ours['accuracy']):.4f}, sequential "
           f"{float(ref['accuracy']):.4f}")
-    assert float(ours["accuracy"]) == pytest.approx(float(ref["accuracy"]), abs=1e-6)
+    # Both runs evaluate the same micro-batches, but their parameters differ by float32 rounding
+    # (gradients summed in another order) after 12 Adam steps: a logit near a tie may flip one
+    # argmax. Two of the 384 examples (0.005) is far below the strided-reshape bug (0.12 vs 0.94).
+    assert float(ours["accuracy"]) == pytest.approx(float(ref["accuracy"]), abs=2 / 384)
     assert float(ours["loss"]) == pytest.approx(float(ref["loss"]), rel=1e-5)
     assert float(ours["accuracy"]) > 0.3  # it learns: the labels line up with the logits
 
