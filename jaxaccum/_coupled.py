@@ -26,23 +26,39 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxaccum import _arguments, _options, _train_step, _validation, _value_and_grad
+from jaxaccum import (
+    _arguments,
+    _options,
+    _pipeline,
+    _placement,
+    _train_step,
+    _validation,
+    _value_and_grad,
+)
 
 
 def _forward(entry: str, fun: Callable[..., Any], options: dict[str, Any], how: str) -> Any:
     """A pass of the pipeline that only evaluates ``fun`` and returns its output combined
     across micro-batches as ``how`` says: the differentiated argument is a scalar placeholder
-    (the loss itself), so no parameter gradient is computed or accumulated."""
+    (the loss itself), so no parameter gradient is computed or accumulated.
+
+    On a mesh it runs as on Auto axes, even where they are Explicit: each device evaluates its
+    share of every micro-batch and the outputs meet once, after the loop (on Explicit axes a
+    sum over the batch inside ``fun`` would be reduced over the devices in every micro-batch).
+    """
 
     def placeholder_loss(zero: jax.Array, params: Any, *args: Any) -> tuple[jax.Array, Any]:
         return zero, fun(params, *args)
 
-    grad = _value_and_grad.value_and_grad(placeholder_loss, argnums=0, batch_argnums=2,
-                                          has_aux=how, **options)
+    opts = _options.parse(entry, {**options, "has_aux": how})
+    acc = _arguments.make(entry, placeholder_loss, opts, argnums=0, batch_argnums=2)
+    dp = opts.data_parallel
 
     def forward(params: Any, batch: Any, *rest: Any) -> Any:
-        (_, out), _ = grad(jnp.zeros((), jnp.float32), params, batch, *rest)
-        return out
+        args = (jnp.zeros((), jnp.float32), params, batch, *rest)
+        if dp is None or not dp.explicit:
+            return _value_and_grad.call(acc, args).aux
+        return _pipeline.run(acc, args, _placement.AutoMesh(dp)).aux
 
     return forward
 
@@ -67,15 +83,19 @@ def coupled_value_and_grad(
       encode: the per-example part of the model.
       loss: the batch-coupled loss on the representations.
       **options: the accumulation options (:class:`jaxaccum.Options`): ``num_microbatches``
-        or ``microbatch_size``, ``accumulator_dtype``, ``mesh``, ``unroll``. ``has_aux``,
-        ``weighted`` and ``skip_nonfinite`` are not taken (a coupled loss is one number for
-        the whole batch).
+        or ``microbatch_size``, ``accumulator_dtype``, ``mesh``, ``unroll``, and ``has_aux``
+        as a bool: ``loss`` returns ``(value, aux)`` and the aux, computed once on the whole
+        batch, comes back as it is. ``weighted`` and ``skip_nonfinite`` are not taken: the
+        coupled loss sees the whole batch at once, so it normalises itself (mask padding
+        inside ``loss``) and a non-finite micro-batch cannot be left out of it.
 
     Returns:
-      A function ``(params, batch, *rest) -> (loss, grads)``.
+      A function ``(params, batch, *rest) -> (loss, grads)``, with ``has_aux=True``
+      ``((loss, aux), grads)``.
 
     Raises:
-      TypeError: an unknown option, or ``has_aux``/``weighted``/``skip_nonfinite``.
+      TypeError: an unknown option, ``weighted``/``skip_nonfinite``, or a ``has_aux`` that
+        is not a bool.
 
     Example:
       >>> import jax, jax.numpy as jnp, jaxaccum
@@ -91,19 +111,25 @@ def coupled_value_and_grad(
       (True, True)
     """
     entry = "jaxaccum.coupled_value_and_grad"
-    for name in ("has_aux", "weighted", "skip_nonfinite"):
+    for name in ("weighted", "skip_nonfinite"):
         if name in options:
             raise TypeError(
-                f"{entry}: {name}= is not taken: a coupled loss is one number for the whole "
-                "batch (return extra outputs from encode and compute them outside)"
+                f"{entry}: {name}= is not taken: the coupled loss sees the whole batch at once "
+                "(mask padded examples inside the loss; a non-finite micro-batch cannot be "
+                "left out of a loss that couples it with every other)"
             )
-    _options.parse(entry, options)  # checks the options now
+    has_aux = options.pop("has_aux", False)
+    if not isinstance(has_aux, bool):
+        raise TypeError(
+            f"{entry}: has_aux must be a bool (the loss's aux is computed once on the whole "
+            f"batch and returned as it is); got {has_aux!r}"
+        )
+    pullback = _arguments.make(entry, encode, _options.parse(entry, {**options, "weighted": True}))
     forward = _forward(entry, encode, options, "concat")
 
-    @functools.wraps(loss)
-    def accumulated(params: Any, batch: Any, *rest: Any) -> tuple[Any, Any]:
+    def result(params: Any, batch: Any, *rest: Any) -> _pipeline.Result:
         reps = forward(params, batch, *rest)
-        value, (direct, cotangents) = jax.value_and_grad(loss, argnums=(0, 1))(
+        value, (direct, cotangents) = jax.value_and_grad(loss, argnums=(0, 1), has_aux=has_aux)(
             params, reps, batch, *rest)
         size = _validation.leading_batch_size((batch,), (0,), entry)
 
@@ -115,11 +141,19 @@ def coupled_value_and_grad(
             m = jax.tree.leaves(micro)[0].shape[0]
             return dot * (size / m), jnp.asarray(m, jnp.float32)
 
-        pullback = _value_and_grad.value_and_grad(surrogate, weighted=True, **options)
-        _, through_reps = pullback(params, (batch, cotangents), *rest)
-        grads = jax.tree.map(jnp.add, direct, through_reps)
-        return value, grads
+        pull = _value_and_grad.call(pullback.with_fun(surrogate), (params, (batch, cotangents),
+                                                                   *rest))
+        grads = jax.tree.map(jnp.add, direct, pull.grads)
+        value, aux = value if has_aux else (value, None)
+        return _pipeline.Result(value, grads, aux, jnp.ones((), jnp.float32),
+                                jnp.zeros((), jnp.int32), pull.num_microbatches)
 
+    @functools.wraps(loss)
+    def accumulated(params: Any, batch: Any, *rest: Any) -> tuple[Any, Any]:
+        res = result(params, batch, *rest)
+        return ((res.loss, res.aux) if has_aux else res.loss), res.grads
+
+    accumulated.result = result  # type: ignore[attr-defined]
     return accumulated
 
 
@@ -173,12 +207,16 @@ def statistics_first(
 
     acc = _arguments.make(entry, with_totals, opts)
 
+    def result(params: Any, batch: Any, *rest: Any) -> _pipeline.Result:
+        totals = forward(params, batch, *rest)
+        return _value_and_grad.call(acc, (params, batch, totals, *rest))
+
     @functools.wraps(fun)
     def accumulated(params: Any, batch: Any, *rest: Any) -> tuple[Any, Any]:
-        totals = forward(params, batch, *rest)
-        res = _value_and_grad.call(acc, (params, batch, totals, *rest))
+        res = result(params, batch, *rest)
         return _value_and_grad.shape_value(acc, res), res.grads
 
+    accumulated.result = result  # type: ignore[attr-defined]
     return accumulated
 
 
@@ -218,8 +256,9 @@ def coupled_train_step(
       4
     """
     entry = "jaxaccum.coupled_train_step"
-    return _train_step.from_value_and_grad(
-        entry, coupled_value_and_grad(encode, loss, **options), optimizer, donate, options)
+    fn = coupled_value_and_grad(encode, loss, **options)
+    return _train_step.from_value_and_grad(entry, fn.result, optimizer, donate,  # type: ignore[attr-defined]
+                                           options)
 
 
 def statistics_first_train_step(
@@ -231,8 +270,8 @@ def statistics_first_train_step(
     **options: Any,
 ) -> _train_step.TrainStep:
     """:func:`jaxaccum.train_step` for a loss that needs the whole batch's statistics: one
-    jitted, donating step whose gradient is :func:`statistics_first`'s (``has_aux`` is not
-    taken here: the step's ``info.aux`` is None).
+    jitted, donating step whose gradient is :func:`statistics_first`'s (the aux, if any, in
+    ``info.aux``).
 
     Args:
       stats: as in :func:`statistics_first`.
@@ -245,7 +284,6 @@ def statistics_first_train_step(
       A :class:`jaxaccum.TrainStep`.
     """
     entry = "jaxaccum.statistics_first_train_step"
-    if "has_aux" in options:
-        raise TypeError(f"{entry}: has_aux= is not taken (use statistics_first for the aux)")
-    return _train_step.from_value_and_grad(
-        entry, statistics_first(stats, fun, **options), optimizer, donate, options)
+    fn = statistics_first(stats, fun, **options)
+    return _train_step.from_value_and_grad(entry, fn.result, optimizer, donate,  # type: ignore[attr-defined]
+                                           options)

@@ -213,9 +213,17 @@ class AutoMesh(_Mesh):
             axis_names=set(self.axes),
             check_vma=False,
         )(*args)
-        aux = [x if stacked else x[0] for stacked, x in zip(static["stacked"], aux, strict=True)]
+        aux = [x if stacked else self.first(x)
+               for stacked, x in zip(static["stacked"], aux, strict=True)]
         return Result(loss, grads, jax.tree.unflatten(static["tree"], aux), weight, skipped,
                       self.count(k))
+
+    def first(self, x: jax.Array) -> jax.Array:
+        """The first device's copy of a value every device holds (one per device on axis 0);
+        on Explicit axes (a forward pass of the coupled losses) replicated first."""
+        if self.dp.explicit:
+            x = self.reshard(x, P())
+        return x[0]
 
     def manual_over_rest(self, f: Any, x: jax.Array, spec: P) -> jax.Array:
         """``f(x)``, a collective over the data axes, seeing the device's block of the other

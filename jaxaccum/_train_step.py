@@ -7,7 +7,6 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding
 
@@ -144,29 +143,21 @@ class TrainStep:
 
 def from_value_and_grad(
     entry: str,
-    value_and_grad: Callable[..., tuple[Any, Any]],
+    result: Callable[..., _pipeline.Result],
     optimizer: optax.GradientTransformation,
     donate: bool,
     options: dict[str, Any],
 ) -> TrainStep:
-    """A :class:`TrainStep` around an accumulated ``(params, batch, *rest) -> (loss, grads)``
-    (the coupled-loss mechanisms): its ``info`` holds the micro-batch count, weight 1, no skip."""
+    """A :class:`TrainStep` around an accumulated ``(params, batch, *rest) -> Result`` (the
+    coupled-loss mechanisms): the step's gradient comes from ``result``, not the pipeline."""
     if not isinstance(optimizer, optax.GradientTransformation):
         raise TypeError(
             f"{entry}: optimizer must be an optax.GradientTransformation; got "
             f"{type(optimizer).__name__}"
         )
     opts = _options.parse(entry, options)
-    acc = _arguments.make(entry, value_and_grad, opts)
-
-    def gradient(args: tuple[Any, ...], hints: Any) -> _pipeline.Result:
-        loss, grads = value_and_grad(*args)
-        size = jax.tree.leaves(args[1])[0].shape[0]
-        k = opts.num_microbatches or size // (opts.microbatch_size or size)
-        one, none = jnp.ones((), jnp.float32), jnp.zeros((), jnp.int32)
-        return _pipeline.Result(loss, grads, None, one, none, k)
-
-    return TrainStep(acc, optimizer, donate, gradient)
+    acc = _arguments.make(entry, result, opts)
+    return TrainStep(acc, optimizer, donate, lambda args, hints: result(*args))
 
 
 def mesh_context(options: _options.Options) -> Any:

@@ -329,3 +329,56 @@ def coupled_value_and_grad(
         return fn(params, batch, *rest)
 
     return accumulated
+
+
+def statistics_first(
+    stats: Callable[..., Any],
+    fun: Callable[..., Any],
+    *,
+    wrt: Any = nnx.Param,
+    **options: Any,
+) -> Callable[..., tuple[Any, nnx.State]]:
+    """:func:`jaxaccum.statistics_first` for an NNX module: a loss that needs statistics of
+    the whole batch (global MoE load balancing, group-normalised advantages).
+
+    ``stats(model, microbatch, *rest)`` returns the micro-batch's sums; ``fun(model,
+    microbatch, totals, *rest)`` the mean loss given the whole batch's totals (no gradient
+    flows through them). Returns ``(value, grads)`` with ``grads`` an ``nnx.State`` of the
+    ``wrt`` variables; ``value`` is shaped as :func:`jaxaccum.value_and_grad` shapes it
+    (``(loss, aux)`` with ``has_aux``). The module's other variables are constants here.
+
+    Args:
+      stats: the statistics of one micro-batch, as sums.
+      fun: the loss, given the whole batch's totals.
+      wrt: the ``nnx`` filter of the variables to differentiate.
+      **options: as in :func:`jaxaccum.statistics_first`.
+
+    Returns:
+      A function ``(model, batch, *rest) -> (value, grads)``.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> import jaxaccum.nnx
+      >>> model = nnx.Linear(3, 1, rngs=nnx.Rngs(0))
+      >>> def stats(m, x):
+      ...     return {"sum": jnp.sum(m(x)), "n": jnp.asarray(x.shape[0], jnp.float32)}
+      >>> def loss(m, x, totals):  # centred by the whole batch's mean output
+      ...     return jnp.mean((m(x) - totals["sum"] / totals["n"]) ** 2)
+      >>> fn = jaxaccum.nnx.statistics_first(stats, loss, num_microbatches=4)
+      >>> value, grads = nnx.jit(fn)(model, jnp.arange(24.0).reshape(8, 3) / 10)
+      >>> grads["kernel"][...].shape
+      (3, 1)
+    """
+    def accumulated(model: nnx.Module, batch: Any, *rest: Any) -> tuple[Any, nnx.State]:
+        graphdef, params, state = _split(model, wrt)
+
+        def merged(p: Any) -> Any:
+            return nnx.merge(graphdef, p, state, copy=True)
+
+        fn = _coupled.statistics_first(
+            lambda p, b, *r: stats(merged(p), b, *r),
+            lambda p, b, totals, *r: fun(merged(p), b, totals, *r), **options)
+        return fn(params, batch, *rest)  # type: ignore[no-any-return]
+
+    return accumulated

@@ -24,6 +24,15 @@ def test_coupled_loss_on_meshes_equals_one_device_and_keeps_loops_local(out, cas
     assert r["loss_rel"] <= EXACT and r["grads_rel"] <= EXACT
     assert r["reductions"]["in loops"] == 0
     assert r["gathers_in_loops"] == 0
+    assert not any(loop for _, loop, _ in r["collectives"])  # no collective per micro-batch
+    # the gradients reduced once per step: one reduction of the parameters' size (plus the
+    # loss and weight scalars XLA combines with it), none other as large
+    grads = [size for op, _, size in r["collectives"]
+             if op in ("all-reduce", "reduce-scatter") and size >= r["param_bytes"]]
+    assert len(grads) == 1 and grads[0] <= r["param_bytes"] + 64, r["collectives"]
+    # the representations gathered once per step: at most one copy of the (B, E) pair
+    gathered = sum(size for op, _, size in r["collectives"] if op == "all-gather")
+    assert 0 < gathered <= r["reps_bytes"], r["collectives"]
 
 
 def test_check_passes_jaxaccum_and_names_a_reduction_per_microbatch(out):
@@ -33,3 +42,20 @@ def test_check_passes_jaxaccum_and_names_a_reduction_per_microbatch(out):
     assert ours["ok"] and ours["reductions"] >= 1 and ours["in_loops"] == 0
     assert not naive["ok"] and naive["in_loops"] >= 1
     assert "inside a loop, once per micro-batch" in naive["problems"][0]
+
+
+@pytest.mark.parametrize("axes", ["auto", "explicit"])
+def test_statistics_first_on_a_mesh_reduces_statistics_and_gradients_once(out, axes):
+    """Global MoE load balancing on the (8,) data mesh: equal to one device; the statistics
+    (9 floats) are reduced after the forward loop and the gradients after the accumulation
+    loop, once each. On Explicit axes the loss's own means over the sharded micro-batch are
+    reduced by the partitioner in the loop: scalars, never a gradient or the statistics."""
+    r = out["statistics_first"][axes]
+    assert r["loss_rel"] <= EXACT and r["grads_rel"] <= EXACT
+    grads = [(loop, size) for op, loop, size in r["collectives"]
+             if op in ("all-reduce", "reduce-scatter") and size >= r["param_bytes"]]
+    assert grads == [(False, grads[0][1])] and grads[0][1] <= r["param_bytes"] + 64
+    stats = [loop for op, loop, size in r["collectives"]
+             if op == "all-reduce" and size == r["stats_bytes"]]
+    assert False in stats  # the statistics meet once, after the forward loop
+    assert all(size < 64 for _, loop, size in r["collectives"] if loop), r["collectives"]

@@ -74,14 +74,66 @@ def main() -> None:
                 value, grads = fn(p, b)
                 hlo = hlo_text(fn.lower(p, b).compile())
             counts = _hlo.collective_counts(hlo)
+            ops = _hlo.collectives(hlo)
             out[f"{name}/{'explicit' if explicit else 'auto'}"] = {
                 "loss_rel": abs(float(value) - float(ref[0])) / abs(float(ref[0])),
                 "grads_rel": rel(grads, ref[1]),
                 "reductions": _hlo.gradient_reductions(hlo, shape[0]),
                 "gathers_in_loops": counts["all-gather in loops"],
+                "collectives": [[op, loop, size] for op, loop, size, _ in ops],
+                "param_bytes": sum(np.asarray(x).nbytes for x in jax.tree.leaves(params)),
+                "reps_bytes": 2 * B * E * 4,
             }
+    out["statistics_first"] = statistics_first_on_meshes()
     out["check"] = check_on_a_mesh(params, batch)
     emit(out)
+
+
+def moe_stats(p: Params, batch: Any) -> dict[str, jax.Array]:
+    """Tokens routed to each of 8 experts (top 2), summed over the micro-batch."""
+    probs = jax.nn.softmax(batch[0] @ p["router"], axis=-1)
+    top2 = jax.nn.one_hot(jax.lax.top_k(probs, 2)[1], 8).sum(1)
+    return {"routed": top2.sum(0), "n": jnp.asarray(batch[0].shape[0], jnp.float32)}
+
+
+def moe_loss(p: Params, batch: Any, totals: dict[str, jax.Array]) -> jax.Array:
+    """Task loss plus the load balance with the whole batch's routed fractions."""
+    x, y = batch
+    probs = jax.nn.softmax(x @ p["router"], axis=-1)
+    out = jnp.einsum("ne,neo->no", probs, jnp.einsum("nd,edo->neo", x, p["experts"]))
+    f = totals["routed"] / (2 * totals["n"])
+    return jnp.mean((out - y) ** 2) + 0.8 * jnp.sum(f * jnp.mean(probs, axis=0))
+
+
+def statistics_first_on_meshes() -> dict[str, Any]:
+    """Global MoE load balancing on the (8,) data mesh, Auto and Explicit: equal to one device;
+    the statistics and the gradients each reduced once per step, nothing in the loops."""
+    rng = np.random.default_rng(2)
+    params = {"router": rng.normal(size=(D, 8)).astype(np.float32),
+              "experts": (rng.normal(size=(8, D, 4)) / 4).astype(np.float32)}
+    batch = (rng.normal(size=(B, D)).astype(np.float32),
+             rng.normal(size=(B, 4)).astype(np.float32))
+    ref = jax.jit(jax.value_and_grad(
+        lambda p, b: moe_loss(p, b, jax.lax.stop_gradient(moe_stats(p, b)))))(params, batch)
+    out: dict[str, Any] = {}
+    for explicit in (False, True):
+        kind = AxisType.Explicit if explicit else AxisType.Auto
+        mesh = jax.make_mesh((8,), ("data",), axis_types=(kind,))
+        with jax.set_mesh(mesh):
+            p = jax.device_put(params, NamedSharding(mesh, P()))
+            b = jax.device_put(batch, NamedSharding(mesh, P("data")))
+            fn = jax.jit(jaxaccum.statistics_first(moe_stats, moe_loss, num_microbatches=4,
+                                                   mesh=mesh))
+            value, grads = fn(p, b)
+            hlo = hlo_text(fn.lower(p, b).compile())
+        out["explicit" if explicit else "auto"] = {
+            "loss_rel": abs(float(value) - float(ref[0])) / abs(float(ref[0])),
+            "grads_rel": rel(grads, ref[1]),
+            "collectives": [[op, loop, size] for op, loop, size, _ in _hlo.collectives(hlo)],
+            "param_bytes": sum(x.nbytes for x in jax.tree.leaves(params)),
+            "stats_bytes": 9 * 4,
+        }
+    return out
 
 
 def check_on_a_mesh(params: Params, batch: Any) -> dict[str, Any]:
