@@ -109,23 +109,78 @@ class MultiStepsTransformation(optax.GradientTransformationExtraArgs):
         return self
 
 
-def _every_k_schedule(every_k: Any, every_k_schedule: Any) -> Callable[[jax.Array], ArrayLike]:
-    """The k schedule from ``every_k`` or its optax-named alias ``every_k_schedule``."""
-    if every_k is not None and every_k_schedule is not None:
+class _NotGiven:
+    """The type of ``every_k``'s default: not given (``every_k=None`` means windows of no k)."""
+
+    def __repr__(self) -> str:
+        return "<not given>"
+
+
+_NOT_GIVEN: Any = _NotGiven()
+_ENTRY = "jaxaccum.multi_steps"
+_UPDATE = "jaxaccum.multi_steps(...).update"
+
+
+def _every_k_schedule(
+    every_k: Any, every_k_schedule: Any
+) -> Callable[[jax.Array], ArrayLike] | None:
+    """The k schedule from ``every_k`` or its optax-named alias ``every_k_schedule``.
+
+    ``None`` for ``every_k=None``: windows that end only when the caller passes ``emit``.
+    """
+    k_given = every_k is not _NOT_GIVEN
+    if k_given and every_k_schedule is not None:
         raise ValueError(
-            "give every_k or its alias every_k_schedule, not both; got "
-            f"every_k={every_k!r}, every_k_schedule={every_k_schedule!r}"
+            f"{_ENTRY}: give every_k or its alias every_k_schedule, not both; got "
+            f"every_k={every_k!r}, every_k_schedule={every_k_schedule!r}; keep one (every_k=None "
+            "alone for windows that end only at update(..., emit=True))"
         )
-    if every_k is None and every_k_schedule is None:
-        raise TypeError("multi_steps needs every_k (or its alias every_k_schedule); got neither")
-    if every_k is not None:
+    if not k_given and every_k_schedule is None:
+        raise TypeError(
+            f"{_ENTRY} needs every_k (or its alias every_k_schedule); got neither: pass "
+            "every_k=k for windows of k calls, or every_k=None for windows that end only at "
+            "update(..., emit=True)"
+        )
+    if every_k is None:
+        return None
+    if k_given:
         name, value = "every_k", every_k
     else:
         name, value = "every_k_schedule", every_k_schedule
     if callable(value):
         return value  # type: ignore[no-any-return]
-    k = _validation.positive_int(value, name)
+    k = _validation.positive_int(value, name, _ENTRY)
     return lambda step: k
+
+
+def _emit_flag(emit: Any) -> jax.Array | None:
+    """``emit`` as a boolean scalar array, or ``None`` for ``None`` and Python ``False``.
+
+    Checks the (possibly traced) flag's type, dtype and shape; never its value.
+    """
+    if emit is None or emit is False:
+        return None  # exactly today's computation: the window ends only at k
+    if isinstance(emit, bool):
+        return jnp.asarray(emit)
+    shape = getattr(emit, "shape", None)
+    dtype = getattr(emit, "dtype", None)
+    expected = "None, a bool or a boolean scalar array (dtype bool, shape ())"
+    if shape is None or dtype is None:
+        raise TypeError(
+            f"{_UPDATE}: emit must be {expected}; got {emit!r} of type {type(emit).__name__}. "
+            "Pass a comparison, e.g. emit=(i == n - 1), or jnp.asarray(flag, bool)"
+        )
+    if dtype != jnp.bool_:
+        raise TypeError(
+            f"{_UPDATE}: emit must be {expected}; got an array of dtype {dtype} and shape "
+            f"{tuple(shape)}. Pass a comparison, e.g. emit=(i == n - 1), or flag.astype(bool)"
+        )
+    if shape != ():
+        raise ValueError(
+            f"{_UPDATE}: emit must be {expected}, one flag for the call; got an array of dtype "
+            f"{dtype} and shape {tuple(shape)}. Pass this call's flag, e.g. flags[i]"
+        )
+    return jnp.asarray(emit)
 
 
 def _check_bool(value: Any, name: str) -> None:
@@ -145,7 +200,7 @@ def _keep_dtypes(new: Any, old: Any) -> Any:
 
 def multi_steps(
     inner: optax.GradientTransformation,
-    every_k: int | Callable[[jax.Array], ArrayLike] | None = None,
+    every_k: int | Callable[[jax.Array], ArrayLike] | None = _NOT_GIVEN,
     *,
     every_k_schedule: int | Callable[[jax.Array], ArrayLike] | None = None,
     use_grad_mean: bool = True,
@@ -157,19 +212,32 @@ def multi_steps(
 
     For training loops that feed one micro-batch per call. The first ``k - 1`` calls of a
     window return zero updates; the k-th returns ``inner``'s update of the (weighted) mean
-    gradient. ``inner.update`` sits in the emitting branch of a ``jax.lax.cond`` and so runs
-    only on emitting calls (under ``jax.jit`` on CPU, GPU and TPU; under ``jax.vmap`` a ``cond``
-    becomes a select and both branches run).
+    gradient. The caller can also end a window itself, with ``update(..., emit=True)``: the
+    last, partial window of an epoch, say, or, with ``every_k=None``, windows of any length.
+    ``inner.update`` sits in the emitting branch of a ``jax.lax.cond`` and so runs only on
+    emitting calls (under ``jax.jit`` on CPU, GPU and TPU; under ``jax.vmap`` a ``cond`` becomes
+    a select and both branches run).
 
-    ``update(grads, state, params=None, *, weight=None, **extra_args)``: ``grads`` is the mean
-    over the micro-batch's (valid) items and ``weight`` their count (default 1); ``extra_args``
-    go to ``inner`` on the emitting call. The emitted gradient is ``sum(w_i * g_i) / sum(w_i)``
-    (``sum(w_i * g_i)`` with ``use_grad_mean=False``), cast back to the gradient's dtype. The
-    rules of :mod:`jaxaccum._reductions` hold: a weight-0 micro-batch adds nothing (not even a
-    NaN); a window of total weight 0 makes no step (zero updates, ``inner_opt_state`` and
-    ``gradient_step`` unchanged, ``has_updated`` False); a negative ``weight`` raises a
-    ``ValueError`` when it is concrete, and when traced makes the emitted update NaN (with
-    ``skip_nonfinite`` the micro-batch is left out and counted instead).
+    ``update(grads, state, params=None, *, weight=None, emit=None, **extra_args)``: ``grads`` is
+    the mean over the micro-batch's (valid) items and ``weight`` their count (default 1);
+    ``extra_args`` go to ``inner`` on the emitting call. The emitted gradient is
+    ``sum(w_i * g_i) / sum(w_i)`` (``sum(w_i * g_i)`` with ``use_grad_mean=False``), cast back to
+    the gradient's dtype. The rules of :mod:`jaxaccum._reductions` hold: a weight-0 micro-batch
+    adds nothing (not even a NaN); a window of total weight 0 makes no step (zero updates,
+    ``inner_opt_state`` and ``gradient_step`` unchanged, ``has_updated`` False); a negative
+    ``weight`` raises a ``ValueError`` when it is concrete, and when traced makes the emitted
+    update NaN (with ``skip_nonfinite`` the micro-batch is left out and counted instead).
+
+    ``emit`` is the caller's end of the window: a bool or a boolean scalar array (it may be
+    traced under ``jax.jit``: one compilation serves both values). When true, this call's
+    gradient joins the window and the window ends now, whatever its length, as if it had
+    reached k: ``inner`` is applied once to the (weighted) mean of the gradients the window
+    holds (exact for any length: ``acc_grads`` holds their sum and ``acc_weight`` their total
+    weight), ``mini_step`` returns to 0, ``gradient_step`` advances and ``has_updated`` is True.
+    When ``None`` or false the call is as without it, and a window that reaches k ends as
+    always. ``emit`` ends the window even when ``should_skip_update_fn`` rejects, or
+    ``skip_nonfinite`` leaves out, this call's gradient: the window ends with what it held (if
+    that is nothing, or of total weight 0, it ends without a step).
 
     Replacing ``optax.MultiSteps(opt, every_k_schedule=k, ...)`` by
     ``jaxaccum.multi_steps(opt, every_k_schedule=k, ...)`` is the whole migration: the state
@@ -196,6 +264,7 @@ def multi_steps(
     - The accumulator is never narrower than a parameter leaf (optax casts to
       ``accumulator_dtype`` even if narrower); ``every_k`` values below 1 count as 1.
     - No ``inner_opt`` attribute; the optax keywords are keyword-only.
+    - ``emit`` and ``every_k=None`` (ours): windows the caller ends, of any length.
     - With an inner ``optax.apply_if_finite`` and a non-finite micro-batch (without
       ``skip_nonfinite``): here the window's mean is NaN, ``apply_if_finite`` skips that one
       step, and the next window starts from zeros and steps normally. In
@@ -215,8 +284,11 @@ def multi_steps(
     Args:
       inner: the optimizer to apply every k-th call (any optax transform or chain).
       every_k: k, an int >= 1, or a function of the int32 gradient step returning k (values
-        below 1 count as 1).
-      every_k_schedule: optax's name for ``every_k``; give one of the two.
+        below 1 count as 1); or ``None``: windows of no fixed length, each ending only at a
+        call ``update(..., emit=True)`` (the other calls accumulate). One of ``every_k`` and
+        ``every_k_schedule`` must be given.
+      every_k_schedule: optax's name for ``every_k`` (an int or a function, not ``None``);
+        give one of the two.
       use_grad_mean: emit the weighted mean (default) or, if False, the weighted sum
         ``sum(w_i * g_i)`` (optax's sum when every weight is 1).
       should_skip_update_fn: optax's hook, e.g. ``optax.skip_not_finite`` or
@@ -237,15 +309,17 @@ def multi_steps(
       state :class:`MultiStepsState`.
 
     Raises:
-      TypeError: if ``inner`` is not an optax transform, ``every_k`` is not an int or callable
-        (or neither it nor ``every_k_schedule`` is given), a flag is not a bool, or
-        ``should_skip_update_fn`` is not callable; at update, for non-floating gradients.
+      TypeError: if ``inner`` is not an optax transform, ``every_k`` is not an int, callable or
+        ``None`` (or neither it nor ``every_k_schedule`` is given), a flag is not a bool, or
+        ``should_skip_update_fn`` is not callable; at update (at trace time), for non-floating
+        gradients, or an ``emit`` that is not a bool or an array of dtype bool.
       ValueError: if ``every_k`` < 1 or both spellings are given; at update, if ``weight`` is
-        not a scalar, or is concrete and negative or non-finite, or ``should_skip_update_fn``
-        does not return a boolean scalar.
+        not a scalar, or is concrete and negative or non-finite, ``should_skip_update_fn``
+        does not return a boolean scalar, or ``emit`` is a boolean array of shape other
+        than ``()``.
 
     Example:
-      >>> import jax.numpy as jnp, optax, jaxaccum
+      >>> import jax, jax.numpy as jnp, optax, jaxaccum
       >>> opt = jaxaccum.multi_steps(optax.sgd(0.1), every_k_schedule=2)
       >>> params = jnp.zeros(2)
       >>> state = opt.init(params)
@@ -253,6 +327,27 @@ def multi_steps(
       >>> u2, state = opt.update(jnp.array([5.0, 6.0]), state, params, weight=3)
       >>> print(u1, u2, bool(opt.has_updated(state)))
       [0. 0.] [-0.4 -0.5] True
+
+      ``emit=True`` ends a window early, e.g. the last, partial window of an epoch: one step
+      on the mean of the two gradients it holds, and the next window starts empty.
+
+      >>> opt = jaxaccum.multi_steps(optax.sgd(1.0), every_k=4)
+      >>> state = opt.init(params)
+      >>> _, state = opt.update(jnp.array([1.0, 2.0]), state, params)
+      >>> u, state = opt.update(jnp.array([3.0, 6.0]), state, params, emit=True)
+      >>> print(u, int(state.mini_step), int(state.gradient_step), bool(opt.has_updated(state)))
+      [-2. -4.] 0 1 True
+
+      With ``every_k=None`` only ``emit`` ends a window; under ``jax.jit`` the flag may be
+      traced (pass it as an array, or any argument ``jax.jit`` traces).
+
+      >>> opt = jaxaccum.multi_steps(optax.sgd(1.0), every_k=None)
+      >>> update = jax.jit(opt.update)
+      >>> state = opt.init(params)
+      >>> for i, g in enumerate([1.0, 2.0, 6.0]):
+      ...     u, state = update(jnp.full(2, g), state, params, emit=jnp.asarray(i == 2))
+      >>> print(u, int(state.gradient_step))
+      [-3. -3.] 1
 
     References:
       ``optax.MultiSteps``; Ott et al., "Scaling Neural Machine Translation", 2018
@@ -296,6 +391,7 @@ def multi_steps(
         params: optax.Params | None = None,
         *,
         weight: ArrayLike | None = None,
+        emit: ArrayLike | None = None,
         **extra_args: Any,
     ) -> tuple[optax.Updates, MultiStepsState]:
         _validation.floating_leaves(
@@ -304,6 +400,7 @@ def multi_steps(
         if weight is not None:
             _validation.scalar(jnp.asarray(weight), "weight", floating=False)
             _reductions.check_weight(weight, "weight")
+        caller_emit = _emit_flag(emit)
 
         # keep: the micro-batch enters the window (should_skip_update_fn did not reject it).
         keep: jax.Array | None = None
@@ -345,9 +442,14 @@ def multi_steps(
             mini_step = jnp.where(keep, mini_step, state.mini_step)
 
         # The window is complete (k below 1 acts as 1: a kept call makes mini_step >= 1).
-        emit = mini_step >= jnp.asarray(schedule(state.gradient_step), jnp.int32)
-        if keep is not None:  # a rejected call never ends a window (even one resumed with a
-            emit = jnp.logical_and(keep, emit)  # k smaller than the micro-batches it holds)
+        if schedule is None:  # every_k=None: only the caller ends a window
+            emit = jnp.zeros((), jnp.bool_)
+        else:
+            emit = mini_step >= jnp.asarray(schedule(state.gradient_step), jnp.int32)
+            if keep is not None:  # a rejected call never ends a window (even one resumed
+                emit = jnp.logical_and(keep, emit)  # with k smaller than what it holds)
+        if caller_emit is not None:  # the caller ends it now, with what it holds (this call's
+            emit = jnp.logical_or(emit, caller_emit)  # gradient, unless left out, included)
         # No step on a window of total weight 0; a NaN total (a traced negative weight) does
         # step, so that the NaN reaches the update instead of being dropped silently.
         step = jnp.logical_and(emit, acc_weight != 0)

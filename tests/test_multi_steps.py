@@ -10,6 +10,7 @@ import numpy as np
 import optax
 import pytest
 from conftest import (
+    EPS32,
     assert_trees_close,
     assert_within_rounding,
     float64_trajectory,
@@ -734,3 +735,277 @@ def test_acc_grads_holds_the_weighted_sum_mid_window():
     _, state = opt.update(jnp.array([3.0, 5.0]), state, weight=1.0)
     np.testing.assert_allclose(state.acc_grads, [5.0, 9.0])
     assert float(state.acc_weight) == 3.0
+
+
+# --- caller-owned windows: update(..., emit=True) ---------------------------------------------
+
+
+def tree_mean(trees, weights=None):
+    """The (weighted) mean of gradient trees, summed in order in float32, then divided once."""
+    weights = [1.0] * len(trees) if weights is None else weights
+    total = jax.tree.map(lambda *x: sum(w * xi for w, xi in zip(weights, x, strict=True)), *trees)
+    return jax.tree.map(lambda t: t / sum(weights), total)
+
+
+def leafwise_diff(actual, expected):
+    """Max over the leaves of max |a - e| / max |e|; integer leaves (counts) must be equal."""
+    worst = 0.0
+    for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
+        a, e = np.asarray(a), np.asarray(e)
+        assert a.shape == e.shape and a.dtype == e.dtype
+        if not np.issubdtype(e.dtype, np.floating):
+            np.testing.assert_array_equal(a, e)
+            continue
+        scale = max(float(np.max(np.abs(e.astype(np.float64)))), 1e-30)
+        worst = max(worst, float(np.max(np.abs(a.astype(np.float64) - e))) / scale)
+    return worst
+
+
+def assert_leafwise_close(actual, expected, rtol=4 * EPS32):
+    d = leafwise_diff(actual, expected)
+    assert d <= rtol, f"max leafwise difference relative to the leaf's max is {d:.3e} > {rtol:.1e}"
+
+
+def plain_steps(params, means, make=lambda: optax.adam(1e-2)):
+    """The plain optimizer, one step per mean gradient: the reference for caller-ended windows.
+
+    Returns the params after each step and the final inner state.
+    """
+    opt = make()
+    update = jax.jit(opt.update)
+    state, trajectory = opt.init(params), []
+    for mean in means:
+        u, state = update(mean, state, params)
+        params = optax.apply_updates(params, u)
+        trajectory.append(params)
+    return trajectory, state
+
+
+@pytest.mark.parametrize(
+    ("name", "weighted"), [("adam", False), ("adam", True), ("momentum", False)]
+)
+def test_emit_ends_a_window_early_with_one_step_on_its_mean(name, weighted):
+    """A window of 3 (k = 4) ended by emit=True is one inner step on the mean of its 3 gradients
+    (params and inner state); the next window starts empty and ends at k as always."""
+    make = optimizers()[name]
+    g = micro_grads()
+    weights = [2.0, 1.0, 5.0, 3.0, 1.0, 4.0, 2.0] if weighted else [1.0] * 7
+    grads = [g[0], g[1], g[2], g[3], g[0], g[1], g[2]]
+    emits = [False, False, True, False, False, False, False]
+    opt = jaxaccum.multi_steps(make(), every_k=4)
+    update = jax.jit(opt.update)
+    params, state = PARAMS, opt.init(PARAMS)
+    outs, flags = [], []
+    for grad, w, e in zip(grads, weights, emits, strict=True):
+        kwargs = {"weight": w} if weighted else {}
+        u, state = update(grad, state, params, emit=jnp.asarray(e), **kwargs)
+        params = optax.apply_updates(params, u)
+        outs.append(u)
+        flags.append(bool(opt.has_updated(state)))
+        if e:
+            after_first = (params, state)
+    assert flags == [False, False, True, False, False, False, True]
+    for i in (0, 1, 3, 4, 5):
+        assert_zero(outs[i])
+    means = [tree_mean(grads[:3], weights[:3]), tree_mean(grads[3:], weights[3:])]
+    trajectory, ref_state = plain_steps(PARAMS, means, make)
+    params1, state1 = after_first
+    assert int(state1.mini_step) == 0 and int(state1.gradient_step) == 1
+    assert float(state1.acc_weight) == 0.0
+    assert_zero(state1.acc_grads)
+    assert_leafwise_close(params1, trajectory[0])
+    ref_state1 = plain_steps(PARAMS, means[:1], make)[1]
+    assert_leafwise_close(state1.inner_opt_state, ref_state1)
+    # the second window held exactly its own 4 gradients (nothing left over from the first)
+    assert_leafwise_close(params, trajectory[1])
+    assert_leafwise_close(state.inner_opt_state, ref_state)
+    assert int(state.gradient_step) == 2 and int(state.mini_step) == 0
+    # a mean divided by k = 4 instead of the window's 3 would be far off (Adam's first step is
+    # scale-free, but not its moments, nor the momentum step)
+    wrong_params, wrong_state = plain_steps(
+        PARAMS, [jax.tree.map(lambda m: m * 3 / 4, means[0])], make
+    )
+    assert leafwise_diff(state1.inner_opt_state, wrong_state) > 0.1
+    if name == "momentum":
+        assert max_rel_diff(params1, wrong_params[0]) > 1e-3
+
+
+@pytest.mark.parametrize("every_k", [100, None])
+def test_random_length_windows_equal_adam_on_each_windows_mean(every_k):
+    """10 windows of seeded random lengths 1..7, each ended by emit=True: the same params
+    trajectory as 10 optax.adam steps on each window's mean gradient."""
+    lengths = np.random.default_rng(1234).integers(1, 8, size=10).tolist()
+    assert len(set(lengths)) >= 4 and sum(lengths) < 100  # uneven, and no window reaches k
+    micro = [random_batch(jax.random.key(100 + i), 8) for i in range(sum(lengths))]
+    grad_fn = jax.jit(jax.grad(mse_loss))
+    opt = jaxaccum.multi_steps(optax.adam(1e-2), every_k=every_k)
+    update = jax.jit(opt.update)
+    params, state = PARAMS, opt.init(PARAMS)
+    ours, ref_params, ref_opt = [], PARAMS, optax.adam(1e-2)
+    ref_update = jax.jit(ref_opt.update)
+    ref_state, reference = ref_opt.init(PARAMS), []
+    calls = iter(micro)
+    for n in lengths:
+        window = [next(calls) for _ in range(n)]
+        for j, batch in enumerate(window):
+            u, state = update(grad_fn(params, batch), state, params, emit=jnp.asarray(j == n - 1))
+            assert bool(opt.has_updated(state)) == (j == n - 1)
+            params = optax.apply_updates(params, u)
+        ours.append(params)
+        # the reference, by hand: plain Adam on the window's mean, at the reference's params
+        mean = tree_mean([grad_fn(ref_params, batch) for batch in window])
+        u, ref_state = ref_update(mean, ref_state, ref_params)
+        ref_params = optax.apply_updates(ref_params, u)
+        reference.append(ref_params)
+    for step, (p, r) in enumerate(zip(ours, reference, strict=True)):
+        d = max_rel_diff(p, r)
+        assert d <= 1e-6, f"window {step} (length {lengths[step]}): {d:.3e}"
+    assert_leafwise_close(state.inner_opt_state, ref_state, 1e-6)
+    assert int(state.gradient_step) == 10 and int(state.mini_step) == 0
+    assert int(state.inner_opt_state[0].count) == 10
+    assert update._cache_size() == 1
+    assert max_rel_diff(params, PARAMS) > 1e-3  # the trajectory moved
+
+
+def test_traced_emit_compiles_once_and_matches_eager():
+    """A traced emit flag: one trace and one compilation serve both values; the results equal
+    eager calls with Python bools. Windows end by emit (calls 1, 5) and at k = 3 (call 4)."""
+    g = micro_grads()
+    grads = [g[i % 4] for i in range(7)]
+    emits = [False, True, False, False, False, True, False]
+    opt = jaxaccum.multi_steps(optax.adam(1e-2), every_k=3)
+    traces = []
+
+    @jax.jit
+    def step(grad, state, params, flag):
+        traces.append(1)  # runs once per trace, not per call
+        u, state = opt.update(grad, state, params, emit=flag)
+        return optax.apply_updates(params, u), state
+
+    runs = {}
+    for mode in ("jit", "eager"):
+        params, state = PARAMS, opt.init(PARAMS)
+        flags, trajectory = [], []
+        for grad, e in zip(grads, emits, strict=True):
+            if mode == "jit":
+                params, state = step(grad, state, params, jnp.asarray(e))
+            else:
+                u, state = opt.update(grad, state, params, emit=e)
+                params = optax.apply_updates(params, u)
+            flags.append(bool(opt.has_updated(state)))
+            trajectory.append(params)
+        runs[mode] = (flags, trajectory, state)
+    assert len(traces) == 1 and step._cache_size() == 1
+    (jit_flags, jit_traj, jit_state), (eager_flags, eager_traj, eager_state) = runs.values()
+    assert jit_flags == eager_flags == [False, True, False, False, True, True, False]
+    for a, b in zip(jit_traj, eager_traj, strict=True):
+        assert_trees_close(a, b, 4 * EPS32)
+    assert_trees_close(jit_state, eager_state, 4 * EPS32)
+    assert int(jit_state.gradient_step) == 3 and int(jit_state.mini_step) == 1
+    # Python bools through jax.jit are traced too: still one compilation
+    update = jax.jit(opt.update)
+    state = opt.init(PARAMS)
+    for e in (True, False, True):
+        _, state = update(g[0], state, PARAMS, emit=e)
+    assert update._cache_size() == 1 and int(state.gradient_step) == 2
+
+
+def test_emit_false_or_at_k_is_unchanged():
+    """emit=False (Python or traced) changes nothing, nor does emit=True on the k-th call."""
+    g = micro_grads()
+    opt = jaxaccum.multi_steps(optax.adam(1e-2), every_k=2)
+    plain, plain_state = feed(opt, g)
+    for emit in (False, jnp.asarray(False)):
+        update = jax.jit(functools.partial(opt.update, emit=emit))
+        state, outs = opt.init(PARAMS), []
+        for grad in g:
+            u, state = update(grad, state, PARAMS)
+            outs.append(u)
+        assert_equal_trees(outs, plain)
+        assert_equal_trees(state, plain_state)
+    state, outs = opt.init(PARAMS), []
+    for i, grad in enumerate(g):  # emit on each window's last call: the same windows
+        u, state = jax.jit(opt.update)(grad, state, PARAMS, emit=jnp.asarray(i % 2 == 1))
+        outs.append(u)
+    assert_equal_trees(outs, plain)
+    assert_equal_trees(state, plain_state)
+
+
+def test_every_k_none_windows_end_only_at_emit():
+    g = micro_grads()
+    opt = jaxaccum.multi_steps(optax.sgd(1.0), every_k=None)
+    outs, state = feed(opt, g + g)  # 8 calls, none emitting: one window of 8
+    for u in outs:
+        assert_zero(u)
+    assert int(state.mini_step) == 8 and int(state.gradient_step) == 0
+    u, state = opt.update(g[0], state, PARAMS, emit=True)
+    assert_trees_close(u, jax.tree.map(lambda m: -m, tree_mean(g + g + [g[0]])), 4 * EPS32)
+    assert int(state.mini_step) == 0 and int(state.gradient_step) == 1
+
+
+def test_emit_ends_the_window_even_if_this_call_is_left_out():
+    """A rejected (should_skip_update_fn) or non-finite (skip_nonfinite) last call: the window
+    still ends, with what it held; a window holding nothing ends without a step."""
+    g = micro_grads()
+    bad = jax.tree.map(lambda x: x * jnp.nan, g[2])
+    expected = jax.tree.map(lambda a, b: -(a + b) / 2, g[0], g[1])
+    for kwargs in ({"should_skip_update_fn": optax.skip_not_finite}, {"skip_nonfinite": True}):
+        opt = jaxaccum.multi_steps(optax.sgd(1.0), every_k=None, **kwargs)
+        update = jax.jit(opt.update)
+        state = opt.init(PARAMS)
+        for grad in g[:2]:
+            _, state = update(grad, state, PARAMS, emit=jnp.asarray(False))
+        u, state = update(bad, state, PARAMS, emit=jnp.asarray(True))
+        assert_trees_close(u, expected, 4 * EPS32)
+        assert int(state.skipped) == 1 and int(state.gradient_step) == 1
+        assert int(state.mini_step) == 0 and bool(opt.has_updated(state))
+        u, state = update(bad, state, PARAMS, emit=jnp.asarray(True))  # an empty window
+        assert_zero(u)
+        assert int(state.gradient_step) == 1 and not bool(opt.has_updated(state))
+        assert int(state.mini_step) == 0 and int(state.skipped) == 2
+
+
+def test_emit_on_a_window_of_total_weight_zero_makes_no_step():
+    g = micro_grads()
+    opt = jaxaccum.multi_steps(optax.adam(1e-2), every_k=4)
+    outs, state = feed(opt, g[:2], weights=[0.0, 0.0])
+    u, state = opt.update(g[2], state, PARAMS, weight=0.0, emit=True)
+    assert_zero(u)
+    assert int(state.gradient_step) == 0 and int(state.inner_opt_state[0].count) == 0
+    assert int(state.mini_step) == 0 and not bool(opt.has_updated(state))
+
+
+@pytest.mark.parametrize(
+    ("emit", "error", "message"),
+    [
+        (jnp.ones(3), TypeError, r"dtype float32 and shape \(3,\)"),
+        (jnp.asarray(1.0), TypeError, r"dtype float32 and shape \(\)"),
+        (np.int32(1), TypeError, r"dtype int32 and shape \(\)"),
+        (1, TypeError, r"got 1 of type int"),
+        ("yes", TypeError, r"got 'yes' of type str"),
+        (jnp.ones(2, bool), ValueError, r"one flag for the call; got an array of dtype bool and "),
+    ],
+)
+def test_bad_emit_rejected(emit, error, message):
+    opt = jaxaccum.multi_steps(optax.sgd(1.0), every_k=2)
+    expected = r"emit must be None, a bool or a boolean scalar array \(dtype bool, shape \(\)\)"
+    with pytest.raises(error, match=r"jaxaccum\.multi_steps\(\.\.\.\)\.update: " + expected):
+        opt.update(PARAMS, opt.init(PARAMS), PARAMS, emit=emit)
+    with pytest.raises(error, match=message):
+        opt.update(PARAMS, opt.init(PARAMS), PARAMS, emit=emit)
+
+
+def test_bad_traced_emit_rejected_at_trace_time():
+    opt = jaxaccum.multi_steps(optax.sgd(1.0), every_k=2)
+    update = jax.jit(opt.update)
+    with pytest.raises(TypeError, match=r"multi_steps\(\.\.\.\)\.update: emit .*dtype float32"):
+        update(PARAMS, opt.init(PARAMS), PARAMS, emit=jnp.ones(3))
+
+
+def test_every_k_none_validation():
+    with pytest.raises(ValueError, match=r"jaxaccum\.multi_steps: .*not both; got every_k=None"):
+        jaxaccum.multi_steps(optax.sgd(0.1), None, every_k_schedule=3)
+    with pytest.raises(TypeError, match=r"jaxaccum\.multi_steps needs every_k .*every_k=None"):
+        jaxaccum.multi_steps(optax.sgd(0.1), every_k_schedule=None)
+    state = jaxaccum.multi_steps(optax.sgd(0.1), every_k=None).init(PARAMS)
+    assert int(state.mini_step) == 0
