@@ -65,7 +65,7 @@ def loss(params: list[tuple[jax.Array, jax.Array]], batch: tuple[jax.Array, jax.
     return models.mse_one_hot(x @ w + b, y, num_classes=w.shape[1])
 
 
-def _update(optimizer: optax.GradientTransformation) -> Callable[..., Any]:
+def apply_update(optimizer: optax.GradientTransformation) -> Callable[..., Any]:
     def apply(params: Any, state: Any, grads: Any) -> tuple[Any, Any]:
         updates, state = optimizer.update(grads, state, params)
         return optax.apply_updates(params, updates), state
@@ -113,7 +113,7 @@ class Full(Impl):
 
     def __init__(self, k: int) -> None:
         super().__init__(k)
-        update = _update(self.optimizer)
+        update = apply_update(self.optimizer)
         self.fn = jax.jit(lambda p, s, b: update(p, s, jax.grad(loss)(p, b)))
 
 
@@ -133,7 +133,7 @@ class Microbatching(Impl):
     def __init__(self, k: int) -> None:
         super().__init__(k)
         self._k = k
-        update = _update(self.optimizer)
+        update = apply_update(self.optimizer)
 
         def step(params: Any, state: Any, batch: Any) -> Any:
             size = jax.tree.leaves(batch)[0].shape[0] // self._k
@@ -159,7 +159,7 @@ class _PerCall(Impl):
     def __init__(self, k: int, optimizer: optax.GradientTransformation) -> None:
         super().__init__(k)
         self.optimizer = optimizer
-        update = _update(optimizer)
+        update = apply_update(optimizer)
         self.fn = jax.jit(lambda p, s, b: update(p, s, jax.grad(loss)(p, b)), donate_argnums=(0, 1))
 
     def step(self, params: Any, state: Any, micro_batches: Any) -> Any:
@@ -194,7 +194,7 @@ class NaiveLoop(Impl):
     def __init__(self, k: int) -> None:
         super().__init__(k)
         self.grad = jax.jit(jax.grad(loss))
-        self.update = jax.jit(_update(self.optimizer))
+        self.update = jax.jit(apply_update(self.optimizer))
 
     def step(self, params: Any, state: Any, micro_batches: Any) -> Any:
         total = None

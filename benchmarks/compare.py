@@ -101,13 +101,13 @@ def speed(rev: str) -> None:
     print()
 
 
-# --- models.py --------------------------------------------------------------------------------
+# --- families.py (results/models.json) ------------------------------------------------------------
 
 
 def models(rev: str) -> None:
     old, new = load_old(rev, "models"), load_new("models")
-    print("### models.py: ratio to the full batch (same rounds); temp MiB (memory_analysis, "
-          "params donated)\n")
+    print("### models (families.py): ratio to the full batch (same rounds); temp MiB "
+          "(memory_analysis, params donated)\n")
     print(machine_line(f"old ({rev})", old))
     print()
     print(machine_line("new", new))

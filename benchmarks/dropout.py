@@ -24,7 +24,7 @@ is; one key per (micro-)batch does not. The constructions compared, each a mask 
   ``keep * 2**32``; the index is split with the batch, so it is k-invariant too.
 
 Models: the dropout MLP (784-512-512-10, ReLU, keep 0.8 after each hidden layer, softmax, MSE;
-batch 256) and the transformer LM of ``models.py`` with residual dropout (keep 0.9 after the
+batch 256) and the transformer LM of ``model_zoo.py`` with residual dropout (keep 0.9 after the
 attention and the MLP of each layer; batch 32). Ways: ``jaxaccum.train_step`` with k = 8 (``--ks``),
 and the full batch. Each PRNG implementation (threefry2x32, rbg, unsafe_rbg, set with
 ``jax_default_prng_impl``) runs in its own process. Writes benchmarks/results/dropout.json
@@ -175,7 +175,7 @@ def mlp_batch(size: int) -> tuple[jax.Array, jax.Array]:
 
 
 def lm_loss(kind: str) -> Callable[..., Any]:
-    from models import DIM, HEADS, _layer_norm
+    from model_zoo import DIM, HEADS, layer_norm
 
     def loss(params: Any, batch: Any, whole: Any) -> jax.Array:
         tokens, targets, mask, per_example = batch
@@ -185,15 +185,15 @@ def lm_loss(kind: str) -> Callable[..., Any]:
         x = params["embed"][tokens] + params["pos"][:t]
         causal = jnp.tril(jnp.ones((t, t), bool))
         for i, layer in enumerate(params["layers"]):
-            h = _layer_norm(x, layer["ln1"]) @ layer["qkv"]
+            h = layer_norm(x, layer["ln1"]) @ layer["qkv"]
             q, k, v = (z.reshape(b, t, HEADS, head_dim) for z in jnp.split(h, 3, axis=-1))
             scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(head_dim)
             probs = jax.nn.softmax(jnp.where(causal, scores, -1e9), axis=-1)
             attn = jnp.einsum("bhqk,bkhd->bqhd", probs, v).reshape(b, t, DIM) @ layer["out"]
             x = x + dropout(attn, rng, kind, 0.9, 2 * i)
-            h = jax.nn.gelu(_layer_norm(x, layer["ln2"]) @ layer["w1"] + layer["b1"])
+            h = jax.nn.gelu(layer_norm(x, layer["ln2"]) @ layer["w1"] + layer["b1"])
             x = x + dropout(h @ layer["w2"] + layer["b2"], rng, kind, 0.9, 2 * i + 1)
-        logits = _layer_norm(x, params["ln_f"]) @ params["head"]
+        logits = layer_norm(x, params["ln_f"]) @ params["head"]
         ce = (
             jax.nn.logsumexp(logits, -1)
             - jnp.take_along_axis(logits, targets[..., None], -1)[..., 0]
@@ -209,7 +209,7 @@ def lm_loss(kind: str) -> Callable[..., Any]:
 
 def child(impl: str, rounds: int, ks: list[int]) -> dict[str, Any]:
     jax.config.update("jax_default_prng_impl", impl)
-    from models import lm_data, lm_params
+    from model_zoo import lm_data, lm_params
 
     import jaxaccum
 

@@ -12,15 +12,15 @@
 #   speed.py       140  time per optimizer step, k = 1..64, 10 rounds
 #   memory.py      150  memory_analysis() at k = 1, 8, 64 and device peak_bytes_in_use (a fresh
 #                       process per implementation and k)
-#   models.py      170  the model families (MLP, CNN, transformer LM, bf16) at k = 1, 8, 64
+#   families.py    170  the model families (MLP, CNN, transformer LM, bf16) at k = 1, 8, 64
 #   dropout.py     110  per-example dropout masks under threefry2x32 and rbg, k = 8
 #
 # Not run: data_parallel.py and sharded.py need 8 devices (on CPU they ask XLA for 8 host
-# devices); plan.py's budgets are sized for the CPU; the models.py loop study is about XLA:CPU.
+# devices); plan.py's budgets are sized for the CPU; loops.py (the loop study) is about XLA:CPU;
+# compile_times.py and model_memory.py back CPU findings.
 # Results land in benchmarks/results/NAME-gpu.{json,png} (_common.result_path adds the backend
 # name off CPU), and in $OUT (a tar of them and the log) when set, for the device tool. Print
-# them with `python benchmarks/report.py gpu` and
-# `python benchmarks/models.py report --out models-gpu`.
+# them (the model families' models-gpu.json included) with `python benchmarks/report.py gpu`.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -47,11 +47,10 @@ step() {  # step SECONDS SCRIPT ARGS...: a failure or timeout is reported, the r
 }
 step 140 speed.py --rounds 10
 step 150 memory.py --ks 1 8 64
-step 170 models.py --ks 1 8 64 --rounds 3
+step 170 families.py --ks 1 8 64 --rounds 3
 step 110 dropout.py --rounds 3 --impls threefry2x32 rbg
 SUFFIX=${BENCH_RESULTS_SUFFIX:-gpu}
 "$PY" report.py "$SUFFIX" 2>&1 | tee -a "$LOG"
-BENCH_RESULTS_SUFFIX=cpu "$PY" models.py report --out "models-$SUFFIX" 2>&1 | tee -a "$LOG"
 if [ -n "${OUT:-}" ]; then tar cf "$OUT/results-$SUFFIX.tar" results/*-"$SUFFIX".* 2>/dev/null; fi
 echo "failed: ${failed[*]:-none}" | tee -a "$LOG"
 [ ${#failed[@]} = 0 ]
