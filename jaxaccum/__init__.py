@@ -12,6 +12,7 @@ from jaxaccum._coupled import (
     statistics_first_train_step,
 )
 from jaxaccum._keys import per_example_keys
+from jaxaccum._microbatches import Microbatches, microbatches
 from jaxaccum._multi_steps import (
     MultiStepsState,
     MultiStepsTransformation,
@@ -28,6 +29,7 @@ __all__ = [
     "DataParallel",
     "MemoryEstimate",
     "MicrobatchPlan",
+    "Microbatches",
     "MultiStepsState",
     "MultiStepsTransformation",
     "Options",
@@ -37,6 +39,7 @@ __all__ = [
     "coupled_train_step",
     "coupled_value_and_grad",
     "has_updated",
+    "microbatches",
     "multi_steps",
     "per_example_keys",
     "plan_microbatches",

@@ -117,8 +117,12 @@ class Options:
 
     Attributes:
       num_microbatches: k, the number of micro-batches (per device on a mesh); it must divide
-        the batch size. Exactly one of this and ``microbatch_size``.
+        the batch size. Exactly one of this, ``microbatch_size`` and ``max_microbatches``.
       microbatch_size: the size of each micro-batch instead of k.
+      max_microbatches: K, for a number of micro-batches known only at run time: the batch
+        is passed as a :class:`jaxaccum.Microbatches` ``(data, count)``, ``data`` leaves
+        shaped ``(K, m, ...)``, and one compiled program runs the first ``count`` (a traced
+        loop bound: the others cost nothing), for every count from 0 to K.
       has_aux: whether ``fun`` returns ``(loss, aux)``, and how the aux values of the k
         micro-batches are combined: ``False``; ``True`` or ``"stack"`` (a new leading axis of
         length k, one entry per micro-batch); ``"concat"`` (per-example values concatenated
@@ -150,6 +154,7 @@ class Options:
 
     num_microbatches: int | None = None
     microbatch_size: int | None = None
+    max_microbatches: int | None = None
     has_aux: Any = False
     weighted: bool = False
     skip_nonfinite: bool = False
@@ -173,8 +178,9 @@ class Options:
 
     @property
     def divides_safely(self) -> bool:
-        """Whether the total weight can be 0 (weighted, or every micro-batch skipped)."""
-        return self.weighted or self.skip_nonfinite
+        """Whether the total weight can be 0 (weighted, every micro-batch skipped, or a
+        runtime count of 0)."""
+        return self.weighted or self.skip_nonfinite or self.max_microbatches is not None
 
 
 def _check_bool(entry: str, name: str, value: Any) -> None:
@@ -198,7 +204,8 @@ def parse(entry: str, options: dict[str, Any]) -> Options:
             "jaxaccum.Options)"
         )
     out = Options(**options)
-    _validation.exactly_one_count(out.num_microbatches, out.microbatch_size, entry)
+    _validation.exactly_one_count(out.num_microbatches, out.microbatch_size, entry,
+                                  out.max_microbatches)
     _check_bool(entry, "weighted", out.weighted)
     _check_bool(entry, "skip_nonfinite", out.skip_nonfinite)
     if not (isinstance(out.unroll, (bool, np.bool_))

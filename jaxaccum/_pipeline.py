@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxaccum import _conv_layout, _reductions, _validation
+from jaxaccum import _conv_layout, _microbatches, _reductions, _validation
 from jaxaccum._arguments import Accumulation
 
 if TYPE_CHECKING:
@@ -52,7 +52,7 @@ class Result(NamedTuple):
       weight: float32 scalar, the total weight (unweighted: the micro-batches kept).
       skipped: int32 scalar, micro-batches left out by ``skip_nonfinite``.
       num_microbatches: the micro-batches evaluated (a Python int; on an Auto mesh, k per
-        device times the data-parallel devices).
+        device times the data-parallel devices; an int32 array with ``max_microbatches``).
       carry: the carried arguments' final values (a tuple), ``()`` without them.
     """
 
@@ -61,7 +61,7 @@ class Result(NamedTuple):
     aux: Any
     weight: jax.Array
     skipped: jax.Array
-    num_microbatches: int
+    num_microbatches: Any
     carry: Any = ()
 
 
@@ -201,15 +201,26 @@ def micro_step(
 
 def accumulate(
     acc: Accumulation, args: tuple[Any, ...], views: tuple[Any, ...], start: Sums, k: int,
-    placement: Placement,
+    placement: Placement, count: jax.Array | None = None,
 ) -> tuple[Sums, Any]:
     """Runs :func:`micro_step` over the ``k`` micro-batches in one ``lax.scan`` (rolled unless
     the ``unroll`` option says otherwise; each micro-batch gathered from the views inside the
-    loop); no scan when ``k == 1``."""
+    loop); no scan when ``k == 1``. With a traced ``count`` (``max_microbatches``) only the
+    first ``count`` run, in a loop whose trip count is ``count``; the values the scan would
+    stack go into buffers of length ``k`` (zeros past ``count``)."""
 
     def body(sums: Sums, i: Any) -> tuple[Sums, Any]:
         return micro_step(acc, acc.with_batch(args, take(views, i)), sums, placement)
 
+    if count is not None:
+        def step(i: Any, state: tuple[Sums, Any]) -> tuple[Sums, Any]:
+            sums, y = body(state[0], i)
+            return sums, jax.tree.map(
+                lambda buf, v: jax.lax.dynamic_update_index_in_dim(buf, v, i, 0), state[1], y)
+
+        shapes = jax.eval_shape(lambda s: body(s, 0)[1], start)
+        ys = jax.tree.map(lambda s: jnp.zeros((k, *s.shape), s.dtype), shapes)
+        return jax.lax.fori_loop(0, count, step, (start, ys))  # type: ignore[no-any-return]
     if k == 1:
         sums, ys = body(start, 0)
         return sums, jax.tree.map(lambda y: jnp.expand_dims(y, 0), ys)
@@ -221,7 +232,7 @@ def accumulate(
 
 
 def finalize(
-    acc: Accumulation, sums: Sums, ys: Any, args: tuple[Any, ...], out: Shapes, count: int
+    acc: Accumulation, sums: Sums, ys: Any, args: tuple[Any, ...], out: Shapes, count: Any
 ) -> tuple[jax.Array, Any, Any]:
     """Divides the (reduced) sums by the total weight once, casts the gradients to their
     arguments' dtypes, and finishes the aux leaves (``count`` micro-batches)."""
@@ -245,27 +256,32 @@ def finalize(
 
 
 def per_device(
-    acc: Accumulation, args: tuple[Any, ...], k: int, placement: Placement
+    acc: Accumulation, args: tuple[Any, ...], k: int, placement: Placement,
+    count: jax.Array | None = None,
 ) -> Result:
     """The pipeline on the arguments one placement sees: split -> micro-steps -> accumulate ->
-    reduce -> finalize. On an Auto mesh this runs inside the placement's ``shard_map``."""
+    reduce -> finalize. On an Auto mesh this runs inside the placement's ``shard_map``.
+    ``count``: the traced number of real micro-batches (``max_microbatches``), else all ``k``."""
     acc, args, placement = placement.enter(acc, args)
     with jax.named_scope("jaxaccum.split"):
         views = split(acc, args, k)
         out = shapes(acc, args, views)
     start = init_sums(acc, args, out, placement)
     with jax.named_scope("jaxaccum.accumulate"):
-        sums, ys = accumulate(acc, args, views, start, k, placement)
+        sums, ys = accumulate(acc, args, views, start, k, placement, count)
     with jax.named_scope("jaxaccum.reduce"):
         sums = placement.reduce(acc, sums, out)
     with jax.named_scope("jaxaccum.finalize"):
-        count = placement.count(k)
-        loss, grads, aux = finalize(acc, sums, ys, args, out, count)
-    return Result(loss, grads, aux, sums.weight, sums.skipped, count, sums.carry)
+        total = placement.count(k) if count is None else placement.count(1) * count
+        loss, grads, aux = finalize(acc, sums, ys, args, out, total)
+    return Result(loss, grads, aux, sums.weight, sums.skipped, total, sums.carry)
 
 
 def run(acc: Accumulation, args: tuple[Any, ...], placement: Placement) -> Result:
     """The whole pipeline on positional ``args``, placed by ``placement``."""
+    stacked = _microbatches.unstack(acc, args)
+    if stacked is not None:
+        args = stacked[0]
     batch_size = _validation.leading_batch_size(args, acc.split, acc.entry)
     _validation.floating_leaves(
         acc.differentiated(args), f"{acc.entry}: argnums",
@@ -273,6 +289,10 @@ def run(acc: Accumulation, args: tuple[Any, ...], placement: Placement) -> Resul
     )
     opts = acc.options
     local = placement.local_batch_size(acc, batch_size)
+    if stacked is not None:
+        _, k, count = stacked
+        res = placement.run(acc, args, k, count)
+        return res._replace(aux=_microbatches.restack_aux(acc, res.aux, k))
     k = _validation.resolve_num_microbatches(
         local, opts.num_microbatches, opts.microbatch_size, acc.entry, placement.devices
     )

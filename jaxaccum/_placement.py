@@ -48,8 +48,11 @@ class OneDevice:
         """The micro-batches one call evaluates, summed over devices."""
         return k
 
-    def run(self, acc: Accumulation, args: tuple[Any, ...], k: int) -> Result:
-        return _pipeline.per_device(acc, args, k, self)
+    def run(
+        self, acc: Accumulation, args: tuple[Any, ...], k: int, count: Any = None
+    ) -> Result:
+        """The pipeline placed here (``count``: the traced number of real micro-batches)."""
+        return _pipeline.per_device(acc, args, k, self, count)
 
     def enter(self, acc: Accumulation, args: tuple[Any, ...]) -> tuple[Accumulation, Any, Any]:
         """Where the parameters enter the loop: returns ``(acc, args, placement)``."""
@@ -183,7 +186,9 @@ class AutoMesh(_Mesh):
         """The data part of each spec (a ``shard_map`` in_spec manual over the data axes)."""
         return jax.tree.map(lambda x, s: _specs.only(s, jnp.ndim(x), self.axes), tree, specs)
 
-    def run(self, acc: Accumulation, args: tuple[Any, ...], k: int) -> Result:
+    def run(
+        self, acc: Accumulation, args: tuple[Any, ...], k: int, count: Any = None
+    ) -> Result:
         if acc.carry:
             raise ValueError(
                 f"{acc.entry}: carry_argnums={acc.carry} with a mesh whose data axes "
@@ -196,8 +201,8 @@ class AutoMesh(_Mesh):
         in_specs = self.data_specs(args, placement.specs)
         static: dict[str, Any] = {}  # the aux's structure, read while tracing
 
-        def body(*local_args: Any) -> tuple[Any, ...]:
-            res = _pipeline.per_device(acc, local_args, k, placement)
+        def body(n: Any, *local_args: Any) -> tuple[Any, ...]:
+            res = _pipeline.per_device(acc, local_args, k, placement, n)
             leaves = jax.tree.leaves(res.aux)
             static["tree"] = jax.tree.structure(res.aux)
             static["stacked"] = [r.stacked for r in _aux_plan(acc, res.aux)]
@@ -208,15 +213,15 @@ class AutoMesh(_Mesh):
         loss, grads, aux, weight, skipped = jax.shard_map(
             body,
             mesh=self.dp.mesh,
-            in_specs=in_specs,
+            in_specs=(P(), *in_specs),
             out_specs=(P(), acc.differentiated(in_specs), P(_specs.entry(self.axes)), P(), P()),
             axis_names=set(self.axes),
             check_vma=False,
-        )(*args)
+        )(count, *args)
         aux = [x if stacked else self.first(x)
                for stacked, x in zip(static["stacked"], aux, strict=True)]
         return Result(loss, grads, jax.tree.unflatten(static["tree"], aux), weight, skipped,
-                      self.count(k))
+                      self.count(k) if count is None else self.count(1) * count)
 
     def first(self, x: jax.Array) -> jax.Array:
         """The first device's copy of a value every device holds (one per device on axis 0);
@@ -291,7 +296,9 @@ class ExplicitMesh(_Mesh):
     # traces the whole pipeline, backward pass included.
     CHOICES = (("all", False), ("all", True), ("kernels", False), ("none", False))
 
-    def run(self, acc: Accumulation, args: tuple[Any, ...], k: int) -> Result:
+    def run(
+        self, acc: Accumulation, args: tuple[Any, ...], k: int, count: Any = None
+    ) -> Result:
         current = jax.sharding.get_abstract_mesh()
         if current.empty or current.shape_tuple != self.dp.mesh.abstract_mesh.shape_tuple:
             raise ValueError(
@@ -303,7 +310,7 @@ class ExplicitMesh(_Mesh):
         for n, (cast, resolve) in enumerate(choices):
             placement = dataclasses.replace(self, cast=cast, resolve=resolve)
             try:
-                return _pipeline.per_device(acc, args, k, placement)
+                return _pipeline.per_device(acc, args, k, placement, count)
             except Exception as error:
                 if not _reduced.jax_refuses_reduced(error) or n == len(choices) - 1:
                     raise

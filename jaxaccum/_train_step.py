@@ -30,7 +30,7 @@ class StepInfo(NamedTuple):
     aux: Any
     skipped: jax.Array
     weight: jax.Array
-    num_microbatches: int
+    num_microbatches: Any
     carry: Any = ()
 
 

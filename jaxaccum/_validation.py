@@ -27,17 +27,24 @@ def positive_int(value: Any, name: str, entry: str | None = None) -> int:
     return int(value)
 
 
-def exactly_one_count(num_microbatches: Any, microbatch_size: Any, entry: str) -> None:
-    """Checks that exactly one of the two micro-batch counts is given, and that it is valid."""
-    if (num_microbatches is None) == (microbatch_size is None):
+def exactly_one_count(
+    num_microbatches: Any, microbatch_size: Any, entry: str, max_microbatches: Any = None
+) -> None:
+    """Checks that exactly one of the micro-batch counts is given, and that it is valid."""
+    given = [x is not None for x in (num_microbatches, microbatch_size, max_microbatches)]
+    if sum(given) != 1:
         raise ValueError(
-            f"{entry}: exactly one of num_microbatches and microbatch_size must be given; got "
-            f"num_microbatches={num_microbatches!r}, microbatch_size={microbatch_size!r}"
+            f"{entry}: exactly one of num_microbatches and microbatch_size (or "
+            "max_microbatches, for a count known at run time) must be given; got "
+            f"num_microbatches={num_microbatches!r}, microbatch_size={microbatch_size!r}, "
+            f"max_microbatches={max_microbatches!r}"
         )
     if num_microbatches is not None:
         positive_int(num_microbatches, "num_microbatches", entry)
     if microbatch_size is not None:
         positive_int(microbatch_size, "microbatch_size", entry)
+    if max_microbatches is not None:
+        positive_int(max_microbatches, "max_microbatches", entry)
 
 
 def resolve_num_microbatches(

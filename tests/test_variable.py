@@ -1,0 +1,168 @@
+"""A traced number of micro-batches (``max_microbatches`` + ``jaxaccum.Microbatches``): one
+compiled program for every count, each equal to the full batch of the real micro-batches
+within float32 rounding of a float64 reference."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from conftest import (
+    assert_within_rounding,
+    max_rel_diff,
+    mlp_apply,
+    mlp_params,
+    mse_loss,
+    to_float64,
+)
+
+import jaxaccum
+
+K, M = 6, 8  # at most 6 micro-batches of 8 examples
+
+
+def stack_data(seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(K, M, 8)).astype(np.float32)
+    y = rng.normal(size=(K, M, 4)).astype(np.float32)
+    return x, y
+
+
+def full_reference(loss, params, batch):
+    """value_and_grad of the full batch in float32 and float64 (the rounding reference)."""
+    full32 = jax.jit(jax.value_and_grad(loss))(params, batch)
+    with jax.enable_x64(True):
+        ref = jax.jit(jax.value_and_grad(loss))(to_float64(params), to_float64(batch))
+        ref64 = jax.tree.map(lambda a: np.asarray(a, np.float64), ref)
+    return full32, ref64
+
+
+def test_every_count_equals_the_full_batch_of_its_real_microbatches_in_one_program():
+    params = mlp_params(jax.random.key(0))
+    x, y = stack_data()
+    fn = jax.jit(jaxaccum.value_and_grad(mse_loss, max_microbatches=K))
+    for count in range(1, K + 1):
+        padded = (x.copy(), y.copy())
+        padded[0][count:] = 1e3  # padding that would show if it were evaluated
+        got = fn(params, jaxaccum.Microbatches(padded, count))
+        real = (x[:count].reshape(-1, 8), y[:count].reshape(-1, 4))
+        assert_within_rounding(got, *full_reference(mse_loss, params, real))
+    assert fn._cache_size() == 1
+
+
+def test_weighted_counts_give_the_exact_mean_over_valid_items():
+    """Micro-batches of different valid counts: the mean over the valid examples of the real
+    micro-batches, not a mean of micro-batch means."""
+    params = mlp_params(jax.random.key(1))
+    x, y = stack_data(1)
+    valid = np.arange(K * M).reshape(K, M) % 5 != 0
+    valid[1, :6] = False  # micro-batch 1 holds only 2 valid examples
+
+    def weighted(p, b):
+        xb, yb, v = b
+        per = jnp.mean((mlp_apply(p, xb) - yb) ** 2, axis=-1)
+        n = jnp.sum(v)
+        return jnp.sum(jnp.where(v, per, 0.0)) / jnp.maximum(n, 1), n
+
+    def full(p, b):
+        value, _ = weighted(p, b)
+        return value
+
+    fn = jax.jit(jaxaccum.value_and_grad(weighted, max_microbatches=K, weighted=True))
+    for count in (2, 5):
+        got = fn(params, jaxaccum.Microbatches((x, y, valid), count))
+        real = (x[:count].reshape(-1, 8), y[:count].reshape(-1, 4), valid[:count].reshape(-1))
+        assert_within_rounding(got, *full_reference(full, params, real))
+
+
+def test_aux_comes_back_in_the_stack_layout():
+    params = mlp_params(jax.random.key(2))
+    x, y = stack_data(2)
+
+    def loss(p, b):
+        out = mlp_apply(p, b[0])
+        return jnp.mean((out - b[1]) ** 2), {"out": out, "n": jnp.ones(())}
+
+    fn = jax.jit(jaxaccum.value_and_grad(loss, max_microbatches=K,
+                                         has_aux={"out": "concat", "n": "sum"}))
+    (_, aux), _ = fn(params, jaxaccum.Microbatches((x, y), 4))
+    assert aux["out"].shape == (K, M, 4) and float(aux["n"]) == 4.0
+    np.testing.assert_allclose(aux["out"][:4], mlp_apply(params, x[:4]), rtol=1e-5, atol=1e-6)
+    assert not np.any(aux["out"][4:])  # never evaluated
+
+
+def test_train_step_one_program_and_no_update_at_count_zero():
+    params = mlp_params(jax.random.key(3))
+    x, y = stack_data(3)
+    opt = optax.adam(1e-2)
+    step = jaxaccum.train_step(mse_loss, opt, max_microbatches=K, donate=False)
+    ref_step = jax.jit(lambda p, s, b: (lambda g: (optax.apply_updates(
+        p, opt.update(g, s, p)[0]), opt.update(g, s, p)[1]))(jax.grad(mse_loss)(p, b)))
+    p, s = params, opt.init(params)
+    q, t = params, opt.init(params)
+    for count in (3, 1, 6, 2, 5):
+        p, s, _, info = step(p, s, jaxaccum.Microbatches((x, y), count))
+        q, t = ref_step(q, t, (x[:count].reshape(-1, 8), y[:count].reshape(-1, 4)))
+        assert int(info.num_microbatches) == count
+    # 5 Adam steps: float32 rounding of one step is ~1e-7 relative, a wrong mean is > 1e-2
+    assert max_rel_diff(p, q) < 1e-5
+    assert len(step._compiled) == 1 and next(iter(step._compiled.values()))._cache_size() == 1
+    same, state, _, info = step(p, s, jaxaccum.Microbatches((x, y), 0))
+    assert float(info.weight) == 0.0
+    assert max_rel_diff(same, p) == 0.0 and int(state[0].count) == int(s[0].count)
+
+
+def test_nnx_train_step_takes_a_runtime_count():
+    from flax import nnx
+
+    import jaxaccum.nnx
+
+    model = nnx.Linear(8, 4, rngs=nnx.Rngs(0))
+    ref = nnx.clone(model)
+    opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    ref_opt = nnx.Optimizer(ref, optax.sgd(0.1), wrt=nnx.Param)
+    x, y = stack_data(4)
+
+    def loss(m, b):
+        return jnp.mean((m(b[0]) - b[1]) ** 2)
+
+    step = jaxaccum.nnx.train_step(loss, max_microbatches=K)
+
+    @nnx.jit
+    def ref_step(m, o, b):
+        o.update(m, nnx.grad(loss)(m, b))
+
+    for count in (2, 6, 3):
+        step(model, opt, jaxaccum.Microbatches((x, y), count))
+        ref_step(ref, ref_opt, (x[:count].reshape(-1, 8), y[:count].reshape(-1, 4)))
+    assert max_rel_diff(model.kernel[...], ref.kernel[...]) < 1e-5
+
+
+def test_microbatches_helper_pads_the_last_short_batch():
+    x = np.arange(10.0 * 3).reshape(10, 3)
+    mb = jaxaccum.microbatches(x, microbatch_size=2, max_microbatches=8)
+    assert mb.data.shape == (8, 2, 3) and int(mb.count) == 5
+    np.testing.assert_array_equal(mb.data[:5].reshape(10, 3), x)
+    with pytest.raises(ValueError, match="jaxaccum.microbatches: the batch holds 5 .* more than"):
+        jaxaccum.microbatches(x, microbatch_size=2, max_microbatches=4)
+    with pytest.raises(ValueError, match="microbatch_size=3 must divide the batch's 10"):
+        jaxaccum.microbatches(x, microbatch_size=3, max_microbatches=4)
+
+
+def test_bad_inputs_say_what_to_do():
+    params = mlp_params(jax.random.key(5))
+    x, y = stack_data()
+    plain = jaxaccum.value_and_grad(mse_loss, num_microbatches=2)
+    with pytest.raises(TypeError, match="build the function with max_microbatches=K"):
+        plain(params, jaxaccum.Microbatches((x, y), 2))
+    fn = jaxaccum.value_and_grad(mse_loss, max_microbatches=K)
+    with pytest.raises(TypeError, match=r"must be a jaxaccum.Microbatches\(data, count\)"):
+        fn(params, (x[0], y[0]))
+    with pytest.raises(ValueError, match=r"needs the shape \(K=6, m, \.\.\.\)"):
+        fn(params, jaxaccum.Microbatches((x[:4], y[:4]), 2))
+    with pytest.raises(TypeError, match="Microbatches.count must be an integer scalar"):
+        fn(params, jaxaccum.Microbatches((x, y), 2.0))
+    with pytest.raises(ValueError, match="exactly one of num_microbatches"):
+        jaxaccum.value_and_grad(mse_loss, num_microbatches=2, max_microbatches=K)
