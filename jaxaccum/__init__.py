@@ -19,6 +19,7 @@ from jaxaccum._multi_steps import (
     has_updated,
     multi_steps,
 )
+from jaxaccum._noise import NoiseScale
 from jaxaccum._options import DataParallel, Options
 from jaxaccum._plan import MemoryEstimate, MicrobatchPlan, plan_microbatches
 from jaxaccum._train_step import StepInfo, TrainStep, train_step
@@ -32,6 +33,7 @@ __all__ = [
     "Microbatches",
     "MultiStepsState",
     "MultiStepsTransformation",
+    "NoiseScale",
     "Options",
     "StepInfo",
     "TrainStep",

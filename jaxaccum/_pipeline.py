@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxaccum import _conv_layout, _microbatches, _reductions, _validation
+from jaxaccum import _conv_layout, _microbatches, _noise, _reductions, _validation
 from jaxaccum._arguments import Accumulation
 
 if TYPE_CHECKING:
@@ -32,6 +32,8 @@ class Sums(NamedTuple):
       skipped: int32, micro-batches left out for a non-finite loss or gradient.
       carry: the carried arguments' current values (a tuple, one per carried argument).
       aux: one accumulator per aux leaf (None where the leaf is stacked by the scan).
+      sq_norms: with ``noise_scale``, float32: the sum of the micro-batch gradients' squared
+        norms (each device's own, before any reduction).
     """
 
     loss: jax.Array
@@ -40,6 +42,7 @@ class Sums(NamedTuple):
     skipped: jax.Array
     carry: Any = ()
     aux: Any = None
+    sq_norms: Any = None
 
 
 class Result(NamedTuple):
@@ -54,6 +57,8 @@ class Result(NamedTuple):
       num_microbatches: the micro-batches evaluated (a Python int; on an Auto mesh, k per
         device times the data-parallel devices; an int32 array with ``max_microbatches``).
       carry: the carried arguments' final values (a tuple), ``()`` without them.
+      noise: with ``noise_scale``, a :class:`jaxaccum.NoiseScale` (inside the placement:
+        the reduced sum of the micro-batch gradients' squared norms).
     """
 
     loss: jax.Array
@@ -63,6 +68,7 @@ class Result(NamedTuple):
     skipped: jax.Array
     num_microbatches: Any
     carry: Any = ()
+    noise: Any = None
 
 
 class Shapes(NamedTuple):
@@ -136,6 +142,7 @@ def init_sums(
         skipped=jnp.zeros((), jnp.int32),
         carry=tuple(jax.tree.map(jnp.asarray, c) for c in acc.carried(args)),
         aux=aux,
+        sq_norms=jnp.zeros((), jnp.float32) if acc.options.noise_scale else None,
     )
 
 
@@ -182,6 +189,9 @@ def micro_step(
         carry=jax.tree.map(lambda old, n: jnp.asarray(n).astype(old.dtype), sums.carry,
                            tuple(new_carry)),
         aux=sums.aux,
+        sq_norms=None if sums.sq_norms is None else sums.sq_norms + (
+            _noise.squared_norm(grads) if bad is None
+            else jnp.where(bad, 0.0, _noise.squared_norm(grads))),
     )
     if opts.aux_spec is None:
         return new, None
@@ -274,7 +284,7 @@ def per_device(
     with jax.named_scope("jaxaccum.finalize"):
         total = placement.count(k) if count is None else placement.count(1) * count
         loss, grads, aux = finalize(acc, sums, ys, args, out, total)
-    return Result(loss, grads, aux, sums.weight, sums.skipped, total, sums.carry)
+    return Result(loss, grads, aux, sums.weight, sums.skipped, total, sums.carry, sums.sq_norms)
 
 
 def run(acc: Accumulation, args: tuple[Any, ...], placement: Placement) -> Result:
@@ -292,8 +302,18 @@ def run(acc: Accumulation, args: tuple[Any, ...], placement: Placement) -> Resul
     if stacked is not None:
         _, k, count = stacked
         res = placement.run(acc, args, k, count)
-        return res._replace(aux=_microbatches.restack_aux(acc, res.aux, k))
-    k = _validation.resolve_num_microbatches(
-        local, opts.num_microbatches, opts.microbatch_size, acc.entry, placement.devices
-    )
-    return placement.run(acc, args, k)
+        res = res._replace(aux=_microbatches.restack_aux(acc, res.aux, k))
+    else:
+        k = _validation.resolve_num_microbatches(
+            local, opts.num_microbatches, opts.microbatch_size, acc.entry, placement.devices
+        )
+        if opts.noise_scale and k * placement.devices < 2:
+            raise ValueError(
+                f"{acc.entry}: noise_scale=True compares micro-batch gradients with the step's: "
+                f"it needs at least 2 micro-batches (over all devices); got k={k} on "
+                f"{placement.devices} device(s)"
+            )
+        res = placement.run(acc, args, k)
+    if opts.noise_scale:  # the micro-batches kept (unweighted: the weight counts them)
+        res = res._replace(noise=_noise.estimate(res.noise, res.weight, local // k, res.grads))
+    return res

@@ -196,6 +196,12 @@ class AutoMesh(_Mesh):
                 "micro-batch, so carried state (BatchNorm statistics) would differ from the "
                 "single-device run; use a mesh with Explicit axes (jax.make_mesh's default)"
             )
+        if acc.options.noise_scale and self.dp.fsdp == "microbatch":
+            raise ValueError(
+                f"{acc.entry}: noise_scale=True with fsdp='microbatch': each micro-batch's "
+                "gradient is reduce-scattered over the devices at once, so no device holds its "
+                "own micro-batch gradient to measure; use fsdp='step'"
+            )
         args = tuple(jax.tree.map(jnp.asarray, a) for a in args)
         placement = dataclasses.replace(self, specs=self.arg_specs(acc, args))
         in_specs = self.data_specs(args, placement.specs)
@@ -208,20 +214,21 @@ class AutoMesh(_Mesh):
             static["stacked"] = [r.stacked for r in _aux_plan(acc, res.aux)]
             aux = [x if stacked else jnp.expand_dims(x, 0)  # replicated: one copy per device
                    for stacked, x in zip(static["stacked"], leaves, strict=True)]
-            return res.loss, res.grads, aux, res.weight, res.skipped
+            return res.loss, res.grads, aux, res.weight, res.skipped, res.noise
 
-        loss, grads, aux, weight, skipped = jax.shard_map(
+        loss, grads, aux, weight, skipped, noise = jax.shard_map(
             body,
             mesh=self.dp.mesh,
             in_specs=(P(), *in_specs),
-            out_specs=(P(), acc.differentiated(in_specs), P(_specs.entry(self.axes)), P(), P()),
+            out_specs=(P(), acc.differentiated(in_specs), P(_specs.entry(self.axes)), P(), P(),
+                       P()),
             axis_names=set(self.axes),
             check_vma=False,
         )(count, *args)
         aux = [x if stacked else self.first(x)
                for stacked, x in zip(static["stacked"], aux, strict=True)]
         return Result(loss, grads, jax.tree.unflatten(static["tree"], aux), weight, skipped,
-                      self.count(k) if count is None else self.count(1) * count)
+                      self.count(k) if count is None else self.count(1) * count, noise=noise)
 
     def first(self, x: jax.Array) -> jax.Array:
         """The first device's copy of a value every device holds (one per device on axis 0);
@@ -269,10 +276,11 @@ class AutoMesh(_Mesh):
             return self.manual_over_rest(functools.partial(reduce, spec=data), g, spec)
 
         grads = jax.tree.map(one, sums.grads, acc.differentiated(self.specs), is_leaf=_is_spec)
-        loss, weight, skipped = jax.lax.psum((sums.loss, sums.weight, sums.skipped), self.axes)
+        loss, weight, skipped, sq_norms = jax.lax.psum(
+            (sums.loss, sums.weight, sums.skipped, sums.sq_norms), self.axes)
         aux = [a if r.stacked else r.combine(a, self.axes)
                for r, a in zip(_aux_plan(acc, out.aux), sums.aux or [], strict=True)]
-        return Sums(loss, grads, weight, skipped, sums.carry, aux or sums.aux)
+        return Sums(loss, grads, weight, skipped, sums.carry, aux or sums.aux, sq_norms)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -299,6 +307,13 @@ class ExplicitMesh(_Mesh):
     def run(
         self, acc: Accumulation, args: tuple[Any, ...], k: int, count: Any = None
     ) -> Result:
+        if acc.options.noise_scale:
+            raise ValueError(
+                f"{acc.entry}: noise_scale=True is not available on a mesh whose data axes "
+                f"{self.axes} are Explicit (each device's micro-batch gradient is an unreduced "
+                "partial sum there); use Auto axes (jax.make_mesh(..., axis_types=(AxisType."
+                "Auto, ...))) or one device"
+            )
         current = jax.sharding.get_abstract_mesh()
         if current.empty or current.shape_tuple != self.dp.mesh.abstract_mesh.shape_tuple:
             raise ValueError(

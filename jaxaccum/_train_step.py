@@ -25,6 +25,8 @@ class StepInfo(NamedTuple):
       num_microbatches: the micro-batches evaluated (on an Auto mesh summed over devices).
       carry: the carried arguments' final values (one value, a tuple for several), ``()``
         without ``carry_argnums``.
+      noise_scale: with the ``noise_scale`` option, the step's :class:`jaxaccum.NoiseScale`
+        estimates; None without.
     """
 
     aux: Any
@@ -32,6 +34,7 @@ class StepInfo(NamedTuple):
     weight: jax.Array
     num_microbatches: Any
     carry: Any = ()
+    noise_scale: Any = None
 
 
 def _sharding_of(x: Any) -> Any:
@@ -106,7 +109,8 @@ class TrainStep:
                     is_leaf=lambda s: s is None or isinstance(s, NamedSharding),
                 )
             carry = _value_and_grad.carried_value(acc, res.carry) if acc.carry else ()
-            info = StepInfo(res.aux, res.skipped, res.weight, res.num_microbatches, carry)
+            info = StepInfo(res.aux, res.skipped, res.weight, res.num_microbatches, carry,
+                            res.noise)
             return new_params, new_state, res.loss, info
 
         # loss_fn's argument i >= 2 is the step's argument i + 1 (opt_state comes second)

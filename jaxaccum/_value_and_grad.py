@@ -67,7 +67,7 @@ def value_and_grad(
     batch_argnums: int | tuple[int, ...] = 1,
     carry_argnums: int | tuple[int, ...] = (),
     **options: Any,
-) -> Callable[..., tuple[Any, Any]]:
+) -> Callable[..., tuple[Any, ...]]:
     """Like ``jax.value_and_grad``, but the batch is processed as k micro-batches in one scan.
 
     The arguments named by ``batch_argnums`` (pytrees whose leaves share a leading batch axis)
@@ -101,6 +101,8 @@ def value_and_grad(
     Returns:
       A function with the signature of ``fun`` returning ``(value, grads)``: ``value`` is the
       loss, or ``(loss, aux)`` with ``has_aux``; with ``carry_argnums`` ``(that, carried)``.
+      With ``noise_scale=True`` ``(value, grads, noise)``, ``noise`` a
+      :class:`jaxaccum.NoiseScale`.
 
     Raises:
       TypeError: an unknown option (the message says what replaced a removed one), a count
@@ -129,9 +131,11 @@ def value_and_grad(
     )
 
     @functools.wraps(fun)
-    def accumulated(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
+    def accumulated(*args: Any, **kwargs: Any) -> tuple[Any, ...]:
         bound = acc.bind(args, kwargs)
         res = call(bound, args)
+        if acc.options.noise_scale:
+            return shape_value(bound, res), res.grads, res.noise
         return shape_value(bound, res), res.grads
 
     return accumulated

@@ -175,6 +175,12 @@ def train_step(
     entry = "jaxaccum.linen.train_step"
     opts = _options.parse(entry, options)
     _arguments.make(entry, loss_fn, opts)  # checks now
+    if opts.noise_scale:
+        raise TypeError(
+            f"{entry}: noise_scale= is not taken by the TrainState step; compute the gradient "
+            "with jaxaccum.value_and_grad(..., noise_scale=True) and call "
+            "state.apply_gradients(grads=grads) yourself"
+        )
 
     def step(state: Any, batch: Any, *rest: Any, rngs: Any = None) -> tuple[Any, Any]:
         stats = getattr(state, "batch_stats", None)

@@ -119,7 +119,7 @@ def value_and_grad(
     wrt: Any = nnx.Param,
     batch_argnums: int | tuple[int, ...] = 1,
     **options: Any,
-) -> Callable[..., tuple[Any, nnx.State]]:
+) -> Callable[..., tuple[Any, ...]]:
     """``nnx.value_and_grad`` over a batch split into k micro-batches (one ``lax.scan``).
 
     ``value_and_grad(loss_fn, num_microbatches=k)(model, batch, *rest)`` returns ``(value,
@@ -158,6 +158,7 @@ def value_and_grad(
     Returns:
       A function ``(model, batch, *rest, **kwargs) -> (value, grads)`` that updates
       ``model``'s non-``wrt`` variables in place; ``value`` is the loss or ``(loss, aux)``.
+      With ``noise_scale=True`` ``(value, grads, noise)`` (a :class:`jaxaccum.NoiseScale`).
 
     Raises:
       ValueError, TypeError: as :func:`jaxaccum.value_and_grad`; ``TypeError`` if argument 0
@@ -185,10 +186,11 @@ def value_and_grad(
     opts, split = _check_options(entry, batch_argnums, options)
 
     @functools.wraps(loss_fn)
-    def accumulated(model: nnx.Module, *args: Any, **kwargs: Any) -> tuple[Any, nnx.State]:
+    def accumulated(model: nnx.Module, *args: Any, **kwargs: Any) -> tuple[Any, ...]:
         acc, res, write_back = accumulate(entry, loss_fn, opts, split, wrt, model, args, kwargs)
         write_back()
-        return _value_and_grad.shape_value(acc, res, with_carry=False), res.grads
+        value = _value_and_grad.shape_value(acc, res, with_carry=False)
+        return (value, res.grads, res.noise) if acc.options.noise_scale else (value, res.grads)
 
     return accumulated
 
@@ -225,7 +227,8 @@ def train_step(
 
     Returns:
       ``step(model, optimizer, batch, *rest, **kwargs) -> value``: the loss, or ``(loss,
-      aux)`` with ``has_aux``.
+      aux)`` with ``has_aux``; with ``noise_scale=True`` ``(value, noise)`` (a
+      :class:`jaxaccum.NoiseScale`).
 
     Example:
       >>> import jax.numpy as jnp, optax
@@ -269,7 +272,8 @@ def train_step(
                                                            donated=donate))
         else:
             nnx.update(both, update(before))
-        return _value_and_grad.shape_value(acc, res, with_carry=False)
+        value = _value_and_grad.shape_value(acc, res, with_carry=False)
+        return (value, res.noise) if acc.options.noise_scale else value
 
     jitted = nnx.jit(step, donate_argnums=(0, 1) if donate else None)
 
