@@ -142,3 +142,37 @@ def test_mnist_mlp_estimate_within_20_percent_of_per_example_gradients(mnist):
         traces.append(float(noise.trace))
         norms.append(float(noise.gradient_sq))
     assert np.mean(traces) / np.mean(norms) == pytest.approx(truth, rel=0.2)
+
+
+def test_noise_scale_refuses_explicit_axes_and_per_microbatch_fsdp():
+    params = mlp_params(jax.random.key(7))
+    batch = random_batch(jax.random.key(8), 32)
+    explicit = jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+    with jax.set_mesh(explicit), pytest.raises(ValueError, match="not available on a mesh whose"):
+        jaxaccum.value_and_grad(mse_loss, num_microbatches=4, noise_scale=True,
+                                mesh=explicit)(params, batch)
+    auto = jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    fsdp = jaxaccum.DataParallel(auto, fsdp="microbatch")
+    with pytest.raises(ValueError, match="fsdp='microbatch'.*use fsdp='step'"):
+        jaxaccum.value_and_grad(mse_loss, num_microbatches=4, noise_scale=True,
+                                mesh=fsdp)(params, batch)
+
+
+def test_nnx_steps_return_the_noise_scale():
+    from flax import nnx
+
+    import jaxaccum.nnx
+
+    model = nnx.Linear(8, 4, rngs=nnx.Rngs(0))
+    x, y = random_batch(jax.random.key(9), 32)
+
+    def loss(m, b):
+        return jnp.mean((m(b[0]) - b[1]) ** 2)
+
+    _, _, noise = nnx.jit(jaxaccum.nnx.value_and_grad(loss, num_microbatches=4,
+                                                      noise_scale=True))(model, (x, y))
+    opt = nnx.Optimizer(model, optax.sgd(0.0), wrt=nnx.Param)
+    _, from_step = jaxaccum.nnx.train_step(loss, num_microbatches=4, noise_scale=True)(
+        model, opt, (x, y))
+    assert float(from_step.trace) == pytest.approx(float(noise.trace), rel=1e-5)
+    assert float(noise.big_batch) == 32.0 and float(noise.small_batch) == 8.0
