@@ -104,7 +104,7 @@ def check(
     Returns:
       A :class:`CheckReport`; ``report.problems`` says what is wrong and what to do.
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp, jaxaccum
       >>> def loss(w, x):
       ...     return jnp.mean((x @ w - 1.0) ** 2)

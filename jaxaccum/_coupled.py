@@ -97,7 +97,7 @@ def coupled_value_and_grad(
       TypeError: an unknown option, ``weighted``/``skip_nonfinite``, or a ``has_aux`` that
         is not a bool.
 
-    Example:
+    Examples:
       >>> import jax, jax.numpy as jnp, jaxaccum
       >>> def encode(w, x):
       ...     return jnp.tanh(x @ w)
@@ -182,7 +182,7 @@ def statistics_first(
       A function ``(params, batch, *rest) -> (value, grads)`` shaped as
       :func:`jaxaccum.value_and_grad` shapes it.
 
-    Example:
+    Examples:
       >>> import jax, jax.numpy as jnp, jaxaccum
       >>> def stats(w, x):  # the batch's sum and count
       ...     return {"sum": jnp.sum(x @ w), "n": jnp.asarray(x.shape[0], jnp.float32)}
@@ -242,7 +242,7 @@ def coupled_train_step(
     Returns:
       A :class:`jaxaccum.TrainStep`.
 
-    Example:
+    Examples:
       >>> import jax, jax.numpy as jnp, optax, jaxaccum
       >>> def encode(w, x):
       ...     return jnp.tanh(x @ w)

@@ -45,7 +45,7 @@ def per_example_keys(key: jax.Array, batch_size: int) -> jax.Array:
       TypeError: if ``batch_size`` is not an int.
       ValueError: if ``batch_size`` < 1, or ``key`` is not a single key.
 
-    Example:
+    Examples:
       >>> import jax, jaxaccum
       >>> keys = jaxaccum.per_example_keys(jax.random.key(0), 4)
       >>> keys.shape

@@ -34,7 +34,7 @@ class Microbatches(NamedTuple):
       data: the stacked micro-batches, a pytree of ``(K, m, ...)`` arrays.
       count: the number of real micro-batches, an int32 scalar (traced or not).
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp, jaxaccum
       >>> def loss(w, x):
       ...     return jnp.mean((x @ w) ** 2)
@@ -66,7 +66,7 @@ def microbatches(batch: Any, *, microbatch_size: int, max_microbatches: int) -> 
     Raises:
       ValueError: ``m`` does not divide ``n``, or ``n / m > K``.
 
-    Example:
+    Examples:
       >>> import numpy as np, jaxaccum
       >>> mb = jaxaccum.microbatches(np.arange(6.0), microbatch_size=2, max_microbatches=4)
       >>> mb.data.shape, int(mb.count)

@@ -67,7 +67,7 @@ def has_updated(state: MultiStepsState) -> jax.Array:
     Raises:
       TypeError: if ``state`` is not a :class:`MultiStepsState`.
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp, optax, jaxaccum
       >>> opt = jaxaccum.multi_steps(optax.sgd(1.0), every_k=3)
       >>> state = opt.init(jnp.zeros(1))
@@ -88,7 +88,7 @@ class MultiStepsTransformation(optax.GradientTransformationExtraArgs):
     Build it with :func:`multi_steps`; its own constructor takes ``(init, update)``, as any
     ``optax.GradientTransformation``.
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp, optax, jaxaccum
       >>> opt = jaxaccum.multi_steps(optax.adam(1e-3), every_k_schedule=2)
       >>> isinstance(opt, optax.GradientTransformationExtraArgs)
@@ -318,7 +318,7 @@ def multi_steps(
         does not return a boolean scalar, or ``emit`` is a boolean array of shape other
         than ``()``.
 
-    Example:
+    Examples:
       >>> import jax, jax.numpy as jnp, optax, jaxaccum
       >>> opt = jaxaccum.multi_steps(optax.sgd(0.1), every_k_schedule=2)
       >>> params = jnp.zeros(2)

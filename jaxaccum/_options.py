@@ -61,7 +61,7 @@ class DataParallel:
       ValueError: ``data_axis`` is missing on a mesh with several axes or names no axis of
         the mesh; ``fsdp`` is not ``"step"`` or ``"microbatch"``.
 
-    Example:
+    Examples:
       >>> import jax, jaxaccum
       >>> mesh = jax.make_mesh((1,), ("data",))
       >>> jaxaccum.DataParallel(mesh).axes

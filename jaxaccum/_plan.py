@@ -130,7 +130,7 @@ def plan_microbatches(
         size, or even the largest candidate does not fit (the message gives its estimate).
       RuntimeError: if the backend gives no usable memory analysis.
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp, jaxaccum
       >>> def loss(w, x):
       ...     return jnp.mean(jnp.tanh(x @ w) ** 2)

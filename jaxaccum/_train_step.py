@@ -215,7 +215,7 @@ def train_step(
       ValueError, TypeError: as :func:`jaxaccum.value_and_grad`; ``TypeError`` if
         ``optimizer`` is not an optax transform.
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp, optax, jaxaccum
       >>> def loss(w, batch):
       ...     return jnp.mean((batch @ w - 1.0) ** 2)

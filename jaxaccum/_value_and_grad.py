@@ -112,7 +112,7 @@ def value_and_grad(
         size (per device on a mesh), batch leaves of different leading sizes, a loss or weight
         that is not a scalar.
 
-    Example:
+    Examples:
       >>> import jax, jax.numpy as jnp, jaxaccum
       >>> def loss(w, batch, scale=1.0):
       ...     x, y = batch

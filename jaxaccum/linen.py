@@ -76,7 +76,7 @@ def apply_gradients(state: Any, grads: Any, *, weight: ArrayLike | None = None,
     Returns:
       The new state.
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp, optax, jaxaccum, jaxaccum.linen
       >>> from flax.training import train_state
       >>> tx = jaxaccum.multi_steps(optax.sgd(0.1), every_k=2)
@@ -159,7 +159,7 @@ def train_step(
       ``step(state, batch, *rest, rngs=None) -> (state, value)``; ``value`` is the loss, or
       ``(loss, aux)`` with ``has_aux``.
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp, optax, jaxaccum.linen
       >>> from flax.training import train_state
       >>> def loss_fn(params, batch):

@@ -164,7 +164,7 @@ def value_and_grad(
       ValueError, TypeError: as :func:`jaxaccum.value_and_grad`; ``TypeError`` if argument 0
         is not an ``nnx.Module``.
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp, optax
       >>> from flax import nnx
       >>> import jaxaccum.nnx
@@ -230,7 +230,7 @@ def train_step(
       aux)`` with ``has_aux``; with ``noise_scale=True`` ``(value, noise)`` (a
       :class:`jaxaccum.NoiseScale`).
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp, optax
       >>> from flax import nnx
       >>> import jaxaccum.nnx
@@ -309,7 +309,7 @@ def coupled_value_and_grad(
     Returns:
       A function ``(model, batch, *rest) -> (loss, grads)``.
 
-    Example:
+    Examples:
       >>> import jax, jax.numpy as jnp
       >>> from flax import nnx
       >>> import jaxaccum.nnx
@@ -360,7 +360,7 @@ def statistics_first(
     Returns:
       A function ``(model, batch, *rest) -> (value, grads)``.
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp
       >>> from flax import nnx
       >>> import jaxaccum.nnx

@@ -195,7 +195,7 @@ class ExampleStream:
     Raises:
       ValueError: if ``images`` and ``labels`` differ in length or are empty.
 
-    Example:
+    Examples:
       >>> import numpy as np
       >>> s = ExampleStream(np.arange(5), np.arange(5), seed=0)
       >>> t = ExampleStream(np.arange(5), np.arange(5), seed=0)

@@ -48,7 +48,7 @@ class GistMLP(nnx.Module):
       seed: the NumPy seed of the kernels (the experiment's 123456 by default); the same seed
         gives the same weights.
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp
       >>> model = GistMLP()
       >>> model(jnp.zeros((2, 784))).shape
@@ -75,7 +75,7 @@ class DropoutMLP(nnx.Module):
       rngs: the ``nnx.Rngs`` for the initial weights.
       keep: the probability of keeping a unit (0.8).
 
-    Example:
+    Examples:
       >>> import jax, jax.numpy as jnp
       >>> from flax import nnx
       >>> import jaxaccum

@@ -1,0 +1,162 @@
+"""The documentation: the site builds with warnings as errors, its API reference documents every
+public name, and the Python examples of README.md and docs/ run.
+
+- ``test_site_builds_strict``: ``mkdocs build --strict`` (mkdocs.yml; the API pages come from the
+  docstrings through mkdocstrings), then every name of ``jaxaccum.__all__`` must have its entry
+  in the built API page docs/api/core.md, and every public submodule (``jaxaccum.nnx``, ...) a
+  page docs/api/<name>.md with an entry for each function and class it defines: a new public
+  name without documentation fails here.
+- ``test_python_blocks_run``: every ```` ```python ```` block of README.md and of each
+  ``docs/**/*.md`` page, in order, in one namespace per page, in a fresh interpreter per page
+  (8 host CPU devices when the page builds a mesh). A block whose previous non-blank line is
+  ``<!-- skip-test -->`` is not run: use it only for code that cannot run as it stands (a
+  fragment, a listing of old code), and say so beside it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import pathlib
+import pkgutil
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+SKIP_MARKER = "<!-- skip-test -->"
+# Code that needs several devices: its page runs with 8 host CPU devices.
+MULTI_DEVICE = re.compile(r"make_mesh|\bMesh\(|jax\.devices\(|device_count|DataParallel\(")
+_OPEN = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})[ \t]*(?P<info>[^\n]*)$")
+
+
+def python_blocks(text: str) -> list[tuple[int, str]]:
+    """The ```` ```python ```` blocks not marked to skip, as (1-based line of the fence, code)."""
+    lines = text.splitlines()
+    blocks: list[tuple[int, str]] = []
+    i = 0
+    while i < len(lines):
+        m = _OPEN.match(lines[i])
+        if not m:
+            i += 1
+            continue
+        indent, fence = m.group("indent"), m.group("fence")
+        lang = (m.group("info").split() or [""])[0].lstrip(".{").lower()
+        start = i
+        body: list[str] = []
+        i += 1
+        while i < len(lines):
+            stripped = lines[i].strip()
+            if stripped.startswith(fence[0] * len(fence)) and not stripped.strip(fence[0]):
+                break
+            line = lines[i]
+            body.append(line[len(indent) :] if line.startswith(indent) else line.lstrip())
+            i += 1
+        i += 1
+        previous = next((ln.strip() for ln in reversed(lines[:start]) if ln.strip()), "")
+        if lang in ("python", "py") and previous != SKIP_MARKER:
+            blocks.append((start + 1, "\n".join(body) + "\n"))
+    return blocks
+
+
+def pages() -> list[pathlib.Path]:
+    """README.md and every Markdown page under docs/ that holds a Python block to run."""
+    candidates = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    return [p for p in candidates if python_blocks(p.read_text(encoding="utf-8"))]
+
+
+# Runs one page's blocks (JSON on stdin) in one namespace; prints one JSON line per block.
+RUNNER = r"""
+import json, sys, traceback
+page, blocks = json.load(sys.stdin)
+namespace = {"__name__": "__main__"}
+for line, code in blocks:
+    try:
+        exec(compile(code, f"{page}:{line}", "exec"), namespace)
+    except BaseException as e:
+        tb = traceback.format_exception(type(e), e, e.__traceback__.tb_next)  # not this frame
+        print(json.dumps({"line": line, "error": "".join(tb[-6:])}), flush=True)
+    else:
+        print(json.dumps({"line": line, "error": None}), flush=True)
+"""
+
+
+@pytest.mark.parametrize("page", pages(), ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_python_blocks_run(page: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    name = page.relative_to(ROOT).as_posix()
+    blocks = python_blocks(page.read_text(encoding="utf-8"))
+    env = dict(os.environ, MPLBACKEND="Agg")
+    if any(MULTI_DEVICE.search(code) for _, code in blocks):
+        flags = env.get("XLA_FLAGS", "")
+        env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count=8".strip()
+        env["JAX_PLATFORMS"] = "cpu"
+    proc = subprocess.run(
+        [sys.executable, "-c", RUNNER],
+        input=json.dumps([name, blocks]),
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,  # whatever the examples write lands here
+        env=env,
+        timeout=600,
+    )
+    results = [json.loads(ln) for ln in proc.stdout.splitlines() if ln.startswith('{"line"')]
+    failed = [r for r in results if r["error"]]
+    report = "\n".join(f"--- {name}, block at line {r['line']}:\n{r['error']}" for r in failed)
+    assert proc.returncode == 0, f"the runner crashed ({proc.returncode}):\n{proc.stderr[-3000:]}"
+    assert len(results) == len(blocks), f"ran {len(results)} of {len(blocks)} blocks"
+    if failed:
+        pytest.fail(
+            f"{len(failed)} of {len(blocks)} Python blocks of {name} fail (blocks run in order in"
+            f" one namespace; mark a block that cannot run with a {SKIP_MARKER} line before it):"
+            f"\n{report}",
+            pytrace=False,
+        )
+
+
+def _public(module_name: str) -> list[str]:
+    """The functions and classes a module defines whose names do not start with ``_``."""
+    import importlib
+
+    module = importlib.import_module(module_name)
+    return [
+        n
+        for n, v in vars(module).items()
+        if not n.startswith("_") and getattr(v, "__module__", None) == module_name
+    ]
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("mkdocs") is None or importlib.util.find_spec("mkdocstrings") is None,
+    reason="mkdocs and mkdocstrings are not installed (the dev extra has them)",
+)
+def test_site_builds_strict(tmp_path: pathlib.Path) -> None:
+    import jaxaccum
+
+    site = tmp_path / "site"
+    proc = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=dict(os.environ, NO_MKDOCS_2_WARNING="1"),
+        timeout=600,
+    )
+    assert proc.returncode == 0, f"mkdocs build --strict failed:\n{proc.stderr[-6000:]}"
+    # The core page documents jaxaccum.__all__; each public submodule (jaxaccum.nnx, ...) has a
+    # page docs/api/<name>.md documenting the functions and classes it defines.
+    submodules = sorted(m.name for m in pkgutil.iter_modules(jaxaccum.__path__) if m.name[0] != "_")
+    pages = {"jaxaccum": (site / "api" / "core" / "index.html", list(jaxaccum.__all__))}
+    for sub in submodules:
+        module = f"jaxaccum.{sub}"
+        pages[module] = (site / "api" / sub / "index.html", _public(module))
+    for module, (html, names) in pages.items():
+        assert html.is_file(), f"{module} has no API page: add docs/api/{html.parent.name}.md"
+        text = html.read_text(encoding="utf-8")
+        missing = [n for n in names if f'id="{module}.{n}"' not in text]
+        assert not missing, (
+            f"public names of {module} without an entry in {html.relative_to(site)}: {missing};"
+            " add them to docs/api/ (e.g. '::: jaxaccum.NAME' in docs/api/core.md)"
+        )
