@@ -10,7 +10,8 @@ squared norm of the gradient of ``B`` examples,
 are unbiased estimates of the true gradient's squared norm and of the trace of the per-example
 gradient covariance; ``B_simple = tr(S) / |G|^2``. The small batches are the micro-batches as
 each device sees them (on a mesh, its share of a micro-batch), measured before the one
-reduction; the big batch is the whole step's.
+reduction; the big batch is the whole step's. With ``weighted`` losses the items are what the
+weights count (tokens), and micro-batches of different sizes are allowed (:func:`estimate`).
 """
 
 from __future__ import annotations
@@ -30,8 +31,10 @@ class NoiseScale(NamedTuple):
     Attributes:
       gradient_sq: unbiased estimate of ``|G|^2``, the true gradient's squared norm.
       trace: unbiased estimate of ``tr(Sigma)``, the per-example gradient covariance's trace.
-      small_batch: float32, ``b``: the examples behind one micro-batch gradient (per device).
-      big_batch: float32, ``B``: the examples of the whole step.
+      small_batch: float32, ``b``: the items behind one micro-batch gradient (per device; the
+        mean over the micro-batches, their weights with ``weighted``).
+      big_batch: float32, ``B``: the items of the whole step (examples; the total weight with
+        ``weighted``, e.g. tokens).
     """
 
     gradient_sq: jax.Array
@@ -51,13 +54,25 @@ def squared_norm(tree: Any) -> jax.Array:
                 for x in jax.tree.leaves(tree)), jnp.zeros((), jnp.float32))
 
 
-def estimate(small_sq_sum: jax.Array, count: Any, small: int, grads: Any) -> NoiseScale:
-    """The estimates from the sum of ``count`` micro-batch gradients' squared norms (each of
-    ``small`` examples) and the step's gradient ``grads`` (of ``count * small`` examples)."""
-    n = jnp.asarray(count, jnp.float32)
-    b, big = jnp.asarray(small, jnp.float32), n * small
-    g_small = small_sq_sum / jnp.maximum(n, 1.0)
+def microbatch_term(grads: Any, items: jax.Array, skipped: Any = None) -> jax.Array:
+    """``(n |g|^2, n, 1)`` for a micro-batch gradient ``g`` of ``n`` items; zeros if skipped
+    or empty (a weight-0 micro-batch is no sample of the small batch)."""
+    term = jnp.stack([items * squared_norm(grads), items, jnp.ones((), jnp.float32)])
+    keep = items > 0 if skipped is None else jnp.logical_and(items > 0, jnp.logical_not(skipped))
+    return jnp.where(keep, term, jnp.zeros_like(term))
+
+
+def estimate(sums: jax.Array, grads: Any) -> NoiseScale:
+    """The estimates from ``sums = (sum_i n_i |g_i|^2, N, m)`` over ``m`` micro-batch
+    gradients ``g_i`` of ``n_i`` items (``N = sum_i n_i``) and the step's gradient ``grads``,
+    the mean over those ``N`` items.
+
+    With ``E|g_i|^2 = |G|^2 + tr(S) / n_i`` and ``E|grads|^2 = |G|^2 + tr(S) / N``:
+    ``tr(S) = (sum_i n_i |g_i|^2 - N |grads|^2) / (m - 1)`` and ``|G|^2 = |grads|^2 -
+    tr(S) / N``: the paper's two formulas when every ``n_i`` is the same ``b``, and unbiased
+    for micro-batches of different sizes (``weighted``: packed tokens) too.
+    """
+    weighted_sq, big, m = sums[0], sums[1], sums[2]
     g_big = squared_norm(grads)
-    gradient_sq = (big * g_big - b * g_small) / (big - b)
-    trace = (g_small - g_big) / (1.0 / b - 1.0 / big)
-    return NoiseScale(gradient_sq, trace, b, big)
+    trace = (weighted_sq - big * g_big) / (m - 1.0)
+    return NoiseScale(g_big - trace / big, trace, big / m, big)

@@ -32,8 +32,9 @@ class Sums(NamedTuple):
       skipped: int32, micro-batches left out for a non-finite loss or gradient.
       carry: the carried arguments' current values (a tuple, one per carried argument).
       aux: one accumulator per aux leaf (None where the leaf is stacked by the scan).
-      sq_norms: with ``noise_scale``, float32: the sum of the micro-batch gradients' squared
-        norms (each device's own, before any reduction).
+      sq_norms: with ``noise_scale``, float32 ``(sum_i n_i |g_i|^2, sum_i n_i, m)`` over the
+        ``m`` micro-batches: each gradient's squared norm (each device's own, before any
+        reduction) times its number of items ``n_i`` (examples; with ``weighted``, its weight).
     """
 
     loss: jax.Array
@@ -142,7 +143,7 @@ def init_sums(
         skipped=jnp.zeros((), jnp.int32),
         carry=tuple(jax.tree.map(jnp.asarray, c) for c in acc.carried(args)),
         aux=aux,
-        sq_norms=jnp.zeros((), jnp.float32) if acc.options.noise_scale else None,
+        sq_norms=(jnp.zeros((3,), jnp.float32) if acc.options.noise_scale else None),
     )
 
 
@@ -189,9 +190,8 @@ def micro_step(
         carry=jax.tree.map(lambda old, n: jnp.asarray(n).astype(old.dtype), sums.carry,
                            tuple(new_carry)),
         aux=sums.aux,
-        sq_norms=None if sums.sq_norms is None else sums.sq_norms + (
-            _noise.squared_norm(grads) if bad is None
-            else jnp.where(bad, 0.0, _noise.squared_norm(grads))),
+        sq_norms=None if sums.sq_norms is None else sums.sq_norms + _noise.microbatch_term(
+            grads, w if weight is not None else _microbatch_size(acc, args), bad),
     )
     if opts.aux_spec is None:
         return new, None
@@ -204,6 +204,11 @@ def micro_step(
         accs = [new_acc if r.stacked else jnp.where(bad, old, new_acc)
                 for r, old, new_acc in zip(plan, sums.aux, accs, strict=True)]
     return new._replace(aux=accs), stacked
+
+
+def _microbatch_size(acc: Accumulation, args: tuple[Any, ...]) -> jax.Array:
+    """The examples in the micro-batch ``args`` holds (its batch leaves' leading axis)."""
+    return jnp.asarray(jax.tree.leaves(acc.batch(args))[0].shape[0], jnp.float32)
 
 
 # --- accumulate ---------------------------------------------------------------------------------
@@ -314,6 +319,6 @@ def run(acc: Accumulation, args: tuple[Any, ...], placement: Placement) -> Resul
                 f"{placement.devices} device(s)"
             )
         res = placement.run(acc, args, k)
-    if opts.noise_scale:  # the micro-batches kept (unweighted: the weight counts them)
-        res = res._replace(noise=_noise.estimate(res.noise, res.weight, local // k, res.grads))
+    if opts.noise_scale:
+        res = res._replace(noise=_noise.estimate(res.noise, res.grads))
     return res
