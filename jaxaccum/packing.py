@@ -1,0 +1,582 @@
+"""Token-budget packing of variable-length sequences, and the losses that keep it exact.
+
+:func:`pack` (and :func:`pack_stream` for a data pipeline) packs whole sequences of token ids
+into rows of ``length`` tokens and groups the rows into micro-batches of ``rows`` rows, on the
+host, with NumPy only. Each token carries its segment id (which sequence of its row it belongs
+to, 0 for padding) and its position within its sequence; :func:`attention_mask` turns the
+segment ids into the mask that keeps packed sequences from seeing each other.
+
+Packing changes how many real tokens (and sequences) each micro-batch holds, so a mean over
+each micro-batch, averaged over the micro-batches, is no longer the batch's mean: it weights the
+tokens of sparse micro-batches more. :func:`token_mean` and :func:`sequence_mean` return
+``(mean over the micro-batch's items, number of items)``, the pair the accumulation's
+``weighted=True`` option takes; it then computes ``sum_i value_i * weight_i / sum_i weight_i``,
+the exact mean over every item of every micro-batch, as one unpacked batch would.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxaccum import _validation
+
+PACK = "jaxaccum.packing.pack"
+PACK_STREAM = "jaxaccum.packing.pack_stream"
+_INT32 = np.iinfo(np.int32)
+
+
+class Packed(NamedTuple):
+    """Sequences packed into micro-batches of rows: what :func:`pack` returns.
+
+    Every array has the shape ``(M, rows, length)``: M micro-batches of ``rows`` rows of
+    ``length`` tokens, ``M = max_microbatches`` when it was given, else ``num_microbatches``.
+    In each row the sequences come first, one after another, and the padding last.
+
+    Attributes:
+      tokens: int32, the token ids; ``pad_id`` in padding.
+      segment_ids: int32, 0 in padding and ``1, 2, ...`` for the sequences of a row, in the
+        order they lie in the row. A sequence is ``(micro-batch, row, segment id)``.
+      positions: int32, ``0 .. len - 1`` within each sequence, 0 in padding.
+      sequence_index: int32, for every token the index of its sequence in the input (for
+        :func:`pack_stream`, its arrival index in the stream), -1 in padding: the way back from
+        a packed output to the sequence it belongs to.
+      num_microbatches: the micro-batches actually used (M_real); those from ``M_real`` to
+        ``M`` hold padding only.
+    """
+
+    tokens: np.ndarray
+    segment_ids: np.ndarray
+    positions: np.ndarray
+    sequence_index: np.ndarray
+    num_microbatches: int
+
+    @property
+    def num_tokens(self) -> int:
+        """The number of real (non-padding) tokens."""
+        return int(np.count_nonzero(self.segment_ids))
+
+    @property
+    def fill(self) -> float:
+        """The fraction of real tokens in the micro-batches used (``num_microbatches`` of
+        them; 0.0 if none): the packing efficiency. The all-padding micro-batches past
+        ``num_microbatches`` are left out, as a step with a runtime count skips them; over all
+        M it is ``fill * num_microbatches / M``."""
+        _, rows, length = self.tokens.shape
+        slots = self.num_microbatches * rows * length
+        return self.num_tokens / slots if slots else 0.0
+
+
+class _BestFit:
+    """Best fit over rows of ``length`` tokens, in O(log length) a placement.
+
+    The open rows are bucketed by their free space (an integer in ``1 .. length``); a Fenwick
+    tree counts the rows per free space, so the tightest row with room for ``size`` tokens (the
+    smallest free space >= size) is found by one prefix sum and one descent. Rows with no
+    free space leave the structure. With ``max_rows`` no row is opened past that many.
+    """
+
+    def __init__(self, length: int, max_rows: int | None = None) -> None:
+        self.length = length
+        self.max_rows = max_rows
+        self.counts = [0] * (length + 1)  # the Fenwick tree, 1-based over free space
+        self.rows_at: list[list[int]] = [[] for _ in range(length + 1)]
+        self.used: list[int] = []  # tokens placed in each row, rows in the order opened
+        self.open = 0  # rows with free space left
+        self.top = 1 << (length.bit_length() - 1)
+
+    def _add(self, space: int, delta: int) -> None:
+        while space <= self.length:
+            self.counts[space] += delta
+            space += space & -space
+
+    def _below(self, space: int) -> int:
+        """How many open rows have a free space <= ``space``."""
+        total = 0
+        while space > 0:
+            total += self.counts[space]
+            space -= space & -space
+        return total
+
+    def _kth(self, k: int) -> int:
+        """The smallest free space s with ``_below(s) >= k`` (1 <= k <= self.open)."""
+        pos, step = 0, self.top
+        while step:
+            nxt = pos + step
+            if nxt <= self.length and self.counts[nxt] < k:
+                pos = nxt
+                k -= self.counts[nxt]
+            step >>= 1
+        return pos + 1
+
+    @property
+    def full(self) -> bool:
+        """No row can take another token."""
+        return self.open == 0 and self.max_rows is not None and len(self.used) >= self.max_rows
+
+    def place(self, size: int) -> int | None:
+        """Puts ``size`` tokens (1 <= size <= length) in the tightest row they fit, opening a
+        row if none has room; returns the row, or None if no row has room and none may open."""
+        smaller = self._below(size - 1)
+        if smaller < self.open:
+            space = self._kth(smaller + 1)
+            row = self.rows_at[space].pop()
+            self._add(space, -1)
+            self.open -= 1
+        elif self.max_rows is None or len(self.used) < self.max_rows:
+            row, space = len(self.used), self.length
+            self.used.append(0)
+        else:
+            return None
+        self.used[row] += size
+        if space > size:
+            self.rows_at[space - size].append(row)
+            self._add(space - size, 1)
+            self.open += 1
+        return row
+
+
+def _sequence(entry: str, value: Any, index: int, length: int) -> np.ndarray:
+    """One input sequence, checked, as a 1-D int32 array."""
+    where = f"{entry}: sequences[{index}]"
+    try:
+        seq = np.asarray(value)
+    except Exception as e:  # ragged nested lists and the like
+        raise TypeError(
+            f"{where} must be a 1-D array of integer token ids; got {type(value).__name__} "
+            f"({e})"
+        ) from None
+    if seq.ndim != 1:
+        raise ValueError(
+            f"{where} must be a 1-D array of token ids; got shape {seq.shape} (pass a list of "
+            "1-D arrays, one per sequence)"
+        )
+    if not np.issubdtype(seq.dtype, np.integer):
+        raise TypeError(
+            f"{where} must hold integer token ids; got dtype {seq.dtype} (convert it with "
+            ".astype(np.int32))"
+        )
+    if seq.size == 0:
+        raise ValueError(
+            f"{where} is empty; every sequence needs at least 1 token (drop the empty ones "
+            "before packing)"
+        )
+    if seq.size > length:
+        raise ValueError(
+            f"{where} has {seq.size} tokens, more than a row holds (length={length}); "
+            f"truncate it (or split it) to at most {length} tokens, or raise length to at "
+            f"least {seq.size}"
+        )
+    if not np.can_cast(seq.dtype, np.int32) and (seq.min() < _INT32.min or
+                                                 seq.max() > _INT32.max):
+        raise ValueError(
+            f"{where} holds token ids outside int32 ({seq.min()} .. {seq.max()}); the packed "
+            "tokens are int32"
+        )
+    return seq.astype(np.int32, copy=False)
+
+
+def _pad_id(entry: str, pad_id: Any) -> int:
+    if isinstance(pad_id, bool) or not isinstance(pad_id, (int, np.integer)):
+        raise TypeError(f"{entry}: pad_id must be an int; got {pad_id!r}")
+    if not _INT32.min <= pad_id <= _INT32.max:
+        raise ValueError(f"{entry}: pad_id must fit in int32; got pad_id={pad_id}")
+    return int(pad_id)
+
+
+def _assemble(
+    seqs: Sequence[np.ndarray],
+    index: np.ndarray,
+    row_of: np.ndarray,
+    num_rows: int,
+    *,
+    microbatches: int,
+    rows: int,
+    length: int,
+    pad_id: int,
+) -> Packed:
+    """Lays out sequences given the row of each: in a row, in the order given, padding last."""
+    shape = (microbatches * rows, length)
+    tokens = np.full(shape, pad_id, np.int32)
+    segment_ids = np.zeros(shape, np.int32)
+    positions = np.zeros(shape, np.int32)
+    sequence_index = np.full(shape, -1, np.int32)
+    n = len(seqs)
+    if n:
+        lengths = np.fromiter((s.size for s in seqs), np.int64, n)
+        order = np.lexsort((np.arange(n), row_of))  # by row, then in the order given
+        lens, row = lengths[order], row_of[order]
+        ends = np.cumsum(lens)
+        starts = ends - lens
+        first = np.ones(n, bool)
+        first[1:] = row[1:] != row[:-1]
+        first_at = np.flatnonzero(first)
+        group = np.cumsum(first) - 1  # which row group each (sorted) sequence is in
+        offset = starts - starts[first_at][group]
+        segment = np.arange(n) - first_at[group] + 1
+        owner = np.repeat(np.arange(n), lens)  # each token's sequence, in sorted order
+        within = np.arange(ends[-1]) - starts[owner]
+        flat = row[owner] * length + offset[owner] + within
+        tokens.reshape(-1)[flat] = np.concatenate([seqs[i] for i in order])
+        segment_ids.reshape(-1)[flat] = segment[owner]
+        positions.reshape(-1)[flat] = within
+        sequence_index.reshape(-1)[flat] = index[order][owner]
+    grid = (microbatches, rows, length)
+    return Packed(tokens.reshape(grid), segment_ids.reshape(grid), positions.reshape(grid),
+                  sequence_index.reshape(grid), num_microbatches=-(-num_rows // rows))
+
+
+def pack(
+    sequences: Sequence[Any],
+    *,
+    rows: int,
+    length: int,
+    max_microbatches: int | None = None,
+    pad_id: int = 0,
+) -> Packed:
+    """Packs whole sequences into rows of ``length`` tokens, ``rows`` rows a micro-batch.
+
+    The packing is **best-fit decreasing**: the sequences, longest first (ties in input
+    order), each go into the row with the least free space that still holds them, a new row
+    opening when none does. It uses at most ``11/9 OPT + 4`` rows, OPT the fewest possible
+    (Johnson, Demers, Ullman, Garey and Graham 1974, the worst-case bound of first-fit
+    decreasing too; best fit fills the tightest gap rather than the first), and every two rows
+    together hold more than ``length`` tokens (no two could be merged). Each placement costs
+    O(log length) (a Fenwick tree over the free spaces), so a call is O(n log n) with the
+    sort. Sequences are never split; in a row they lie in input order, padding last; rows
+    are numbered in the order opened and grouped in that order, so only the last used
+    micro-batch can hold all-padding rows.
+
+    Args:
+      sequences: a list of 1-D integer arrays of token ids, each of 1 to ``length`` tokens.
+      rows: the rows in a micro-batch (the micro-batch size).
+      length: the tokens in a row (the sequence length the model runs at).
+      max_microbatches: a fixed number M of micro-batches to return (those past the ones used
+        hold padding only), for a step compiled once for M; None returns just those used.
+      pad_id: the token id of padding.
+
+    Returns:
+      A :class:`Packed` of ``(M, rows, length)`` int32 arrays and the count of micro-batches
+      used.
+
+    Raises:
+      ValueError: a sequence longer than ``length``, empty or not 1-D; more micro-batches
+        needed than ``max_microbatches``; ``rows``, ``length`` or ``max_microbatches`` < 1.
+      TypeError: a sequence that is not of integers; a count or ``pad_id`` that is not an int.
+
+    Example:
+      >>> import numpy as np
+      >>> from jaxaccum.packing import pack
+      >>> seqs = [np.array([5, 6, 7]), np.array([8, 9]), np.array([1, 2, 3, 4])]
+      >>> packed = pack(seqs, rows=2, length=5)
+      >>> packed.tokens.shape, packed.num_microbatches, packed.fill
+      ((1, 2, 5), 1, 0.9)
+      >>> packed.tokens[0]
+      array([[1, 2, 3, 4, 0],
+             [5, 6, 7, 8, 9]], dtype=int32)
+      >>> packed.segment_ids[0]
+      array([[1, 1, 1, 1, 0],
+             [1, 1, 1, 2, 2]], dtype=int32)
+      >>> packed.positions[0]
+      array([[0, 1, 2, 3, 0],
+             [0, 1, 2, 0, 1]], dtype=int32)
+      >>> packed.sequence_index[0]
+      array([[ 2,  2,  2,  2, -1],
+             [ 0,  0,  0,  1,  1]], dtype=int32)
+    """
+    rows = _validation.positive_int(rows, "rows", PACK)
+    length = _validation.positive_int(length, "length", PACK)
+    if max_microbatches is not None:
+        max_microbatches = _validation.positive_int(max_microbatches, "max_microbatches", PACK)
+    pad = _pad_id(PACK, pad_id)
+    if isinstance(sequences, np.ndarray) and sequences.ndim < 2:
+        raise TypeError(
+            f"{PACK}: sequences must be a list of 1-D arrays, one per sequence; got a "
+            f"{sequences.ndim}-D array (wrap a single sequence in a list: [seq])"
+        )
+    seqs = [_sequence(PACK, s, i, length) for i, s in enumerate(sequences)]
+    n = len(seqs)
+    lengths = np.fromiter((s.size for s in seqs), np.int64, n)
+    fit = _BestFit(length)
+    row_of = np.empty(n, np.int64)
+    for i in np.argsort(-lengths, kind="stable").tolist():
+        row = fit.place(int(lengths[i]))
+        assert row is not None  # rows are unlimited here
+        row_of[i] = row
+    num_rows = len(fit.used)
+    used = -(-num_rows // rows)
+    if max_microbatches is not None and used > max_microbatches:
+        raise ValueError(
+            f"{PACK}: sequences: the {n} sequences ({int(lengths.sum())} tokens) need {num_rows} "
+            f"rows of length={length}, {used} micro-batches of rows={rows}; expected at most "
+            f"max_microbatches={max_microbatches} ({max_microbatches * rows} rows). Pass fewer "
+            "sequences per call (jaxaccum.pack_stream takes as many as fit per step) or raise "
+            f"max_microbatches to at least {used}"
+        )
+    return _assemble(seqs, np.arange(n), row_of, num_rows,
+                     microbatches=used if max_microbatches is None else max_microbatches,
+                     rows=rows, length=length, pad_id=pad)
+
+
+def pack_stream(
+    sequences: Iterable[Any],
+    *,
+    rows: int,
+    length: int,
+    max_microbatches: int,
+    lookahead: int = 32,
+    pad_id: int = 0,
+) -> Iterator[Packed]:
+    """Packs a stream of sequences into steps of at most ``max_microbatches`` micro-batches.
+
+    Each step takes sequences in order of arrival and puts each in the row with the least
+    free space that holds it (best fit, online: arrival order, not longest first), opening
+    rows up to ``max_microbatches * rows``. A sequence that fits nowhere waits in a buffer of
+    ``lookahead`` sequences while later ones are tried; the step ends when every buffered
+    sequence has failed (or the stream ran dry). The sequences left wait for the next step,
+    which tries them first, on empty rows: none waits more than one step, and with
+    ``lookahead=1`` the order of arrival is kept exactly.
+
+    Args:
+      sequences: an iterable of 1-D integer arrays of token ids, each of 1 to ``length``
+        tokens; read lazily, at most ``lookahead`` ahead of what is yielded.
+      rows: the rows in a micro-batch.
+      length: the tokens in a row.
+      max_microbatches: M, the micro-batches in every step yielded.
+      lookahead: how many sequences may wait to be placed (>= 1).
+      pad_id: the token id of padding.
+
+    Returns:
+      A generator of :class:`Packed`, one a step, each of shape ``(M, rows, length)`` with a
+      count of used micro-batches between 1 and M; ``sequence_index`` holds each sequence's
+      arrival index in the stream (0-based). It stops when the stream is exhausted.
+
+    Raises:
+      ValueError: when called, ``rows``, ``length``, ``max_microbatches`` or ``lookahead``
+        < 1; while iterating, a sequence longer than ``length``, empty or not 1-D (naming its
+        arrival index).
+      TypeError: a count or ``pad_id`` not an int; while iterating, a sequence not of integers.
+
+    Example:
+      >>> import numpy as np
+      >>> from jaxaccum.packing import pack_stream
+      >>> seqs = (np.arange(n) for n in [3, 4, 2, 5, 1])
+      >>> steps = pack_stream(seqs, rows=1, length=5, max_microbatches=2)
+      >>> [(p.num_microbatches, np.unique(p.sequence_index[p.segment_ids > 0]).tolist())
+      ...  for p in steps]
+      [(2, [0, 1, 2, 4]), (1, [3])]
+    """
+    rows = _validation.positive_int(rows, "rows", PACK_STREAM)
+    length = _validation.positive_int(length, "length", PACK_STREAM)
+    max_microbatches = _validation.positive_int(max_microbatches, "max_microbatches",
+                                                PACK_STREAM)
+    lookahead = _validation.positive_int(lookahead, "lookahead", PACK_STREAM)
+    pad = _pad_id(PACK_STREAM, pad_id)
+    return _stream(iter(sequences), rows, length, max_microbatches, lookahead, pad)
+
+
+def _stream(
+    it: Iterator[Any], rows: int, length: int, microbatches: int, lookahead: int, pad_id: int
+) -> Iterator[Packed]:
+    waiting: list[tuple[int, np.ndarray]] = []  # (arrival index, sequence)
+    arrived = 0
+    exhausted = False
+    while True:
+        fit = _BestFit(length, max_rows=microbatches * rows)
+        index: list[int] = []
+        seqs: list[np.ndarray] = []
+        row_of: list[int] = []
+        i = 0
+        while not fit.full:
+            while not exhausted and len(waiting) < lookahead:
+                try:
+                    value = next(it)
+                except StopIteration:
+                    exhausted = True
+                    break
+                waiting.append((arrived, _sequence(PACK_STREAM, value, arrived, length)))
+                arrived += 1
+            if i >= len(waiting):
+                break
+            row = fit.place(waiting[i][1].size)
+            if row is None:
+                i += 1
+                continue
+            j, seq = waiting.pop(i)
+            index.append(j)
+            seqs.append(seq)
+            row_of.append(row)
+        if not seqs:  # the first waiting sequence always fits empty rows: nothing is left
+            return
+        yield _assemble(seqs, np.asarray(index), np.asarray(row_of), len(fit.used),
+                        microbatches=microbatches, rows=rows, length=length, pad_id=pad_id)
+
+
+# --- losses over packed micro-batches ------------------------------------------------------
+
+
+def _loss_and_segments(entry: str, per_token_loss: Any, segment_ids: Any) -> tuple[Any, Any]:
+    loss, seg = jnp.asarray(per_token_loss), jnp.asarray(segment_ids)
+    if loss.shape != seg.shape or loss.ndim < 1:
+        raise ValueError(
+            f"{entry}: per_token_loss and segment_ids must have one shape (..., length), a "
+            f"loss per token; got per_token_loss {loss.shape} and segment_ids {seg.shape}"
+        )
+    if not jnp.issubdtype(loss.dtype, jnp.floating):
+        raise TypeError(
+            f"{entry}: per_token_loss must have a floating dtype; got {loss.dtype}"
+        )
+    if not jnp.issubdtype(seg.dtype, jnp.integer):
+        raise TypeError(
+            f"{entry}: segment_ids must have an integer dtype (as jaxaccum.packing.pack "
+            f"returns); got {seg.dtype}"
+        )
+    return loss, seg
+
+
+def _sum_dtype(dtype: Any) -> Any:
+    """Sums and counts in float32 at least (a bfloat16 count is exact only to 256)."""
+    return jnp.promote_types(dtype, jnp.float32)
+
+
+def token_mean(per_token_loss: Any, segment_ids: Any) -> tuple[jax.Array, jax.Array]:
+    """The mean loss over the real tokens of a packed micro-batch, and their number.
+
+    With the accumulation's ``weighted=True``, returning this pair from the loss function
+    makes the result the exact mean over every real token of the whole batch: micro-batch i
+    with ``n_i`` real tokens whose losses sum to ``S_i`` gives ``(S_i / n_i, n_i)``, and the
+    accumulation computes ``sum_i (S_i / n_i) n_i / sum_i n_i = sum_i S_i / sum_i n_i``, the
+    same mean one unpacked batch of every sequence gives (up to float rounding), however the
+    tokens fall into micro-batches. The mean of the per-micro-batch means,
+    ``(1/M) sum_i S_i / n_i``, is not: it weights the tokens of sparse micro-batches more.
+
+    An all-padding micro-batch gives ``(0, 0)``: it adds nothing (no NaN, no gradient). For a
+    next-token loss, pass as ``segment_ids`` those of the positions that have a target (the
+    last token of each sequence predicts nothing), so that they are the ones counted.
+
+    Args:
+      per_token_loss: a floating ``(..., length)`` array, a loss per token; its values in
+        padding are ignored (they must be finite for a finite gradient).
+      segment_ids: the integer ``(..., length)`` segment ids, 0 in padding (as
+        :func:`pack` returns them for the micro-batch).
+
+    Returns:
+      ``(value, weight)``: the mean over the real tokens (in the loss's dtype; 0 with none)
+      and their number (float32, or float64 for a float64 loss).
+
+    Raises:
+      ValueError: the two shapes differ, or are scalars.
+      TypeError: a loss that is not floating or segment ids that are not integers.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jaxaccum.packing import token_mean
+      >>> seg = jnp.array([[1, 1, 2, 0], [1, 1, 1, 1]])
+      >>> loss = jnp.array([[1.0, 2.0, 3.0, 99.0], [4.0, 5.0, 6.0, 7.0]])
+      >>> value, weight = token_mean(loss, seg)
+      >>> float(value), float(weight)  # (1 + 2 + ... + 7) / 7
+      (4.0, 7.0)
+    """
+    loss, seg = _loss_and_segments("jaxaccum.packing.token_mean", per_token_loss, segment_ids)
+    acc = _sum_dtype(loss.dtype)
+    real = seg > 0
+    count = jnp.sum(real, dtype=acc)
+    total = jnp.sum(jnp.where(real, loss, 0), dtype=acc)
+    return (total / jnp.maximum(count, 1)).astype(loss.dtype), count
+
+
+def sequence_mean(per_token_loss: Any, segment_ids: Any) -> tuple[jax.Array, jax.Array]:
+    """The mean over the sequences of a packed micro-batch of each one's token-mean loss, and
+    the number of sequences.
+
+    A sequence is a (row, segment id) pair: every leading axis of ``segment_ids`` counts as
+    rows, and a packed sequence lives in one row. The per-sequence sums and token counts come
+    from one ``jax.ops.segment_sum`` over ``row * (length + 1) + segment id`` (static shapes);
+    the sequences present are those with at least one real token.
+
+    With ``weighted=True`` the result is exact: micro-batch i holding ``c_i`` sequences whose
+    token-means are ``m_j`` gives ``(sum_j m_j / c_i, c_i)``, and the accumulation computes
+    ``sum_i (sum_j m_j / c_i) c_i / sum_i c_i``, the mean of ``m_j`` over every sequence of the
+    batch: what each sequence run alone and averaged gives. It needs each sequence whole in
+    one micro-batch, which :func:`pack` guarantees (it never splits one).
+
+    Args:
+      per_token_loss: a floating ``(..., length)`` array, a loss per token; padding ignored.
+      segment_ids: the integer ``(..., length)`` segment ids, 0 in padding, each in
+        ``0 .. length`` (as :func:`pack` returns them). For a next-token loss pass those of the
+        positions that have a target; a sequence of one token then has none and is not
+        counted.
+
+    Returns:
+      ``(value, weight)``: the mean of the per-sequence means (in the loss's dtype; 0 with
+      none) and the number of sequences present (float32, or float64 for a float64 loss).
+
+    Raises:
+      ValueError: the two shapes differ, or are scalars.
+      TypeError: a loss that is not floating or segment ids that are not integers.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jaxaccum.packing import sequence_mean
+      >>> seg = jnp.array([[1, 1, 2, 0], [1, 1, 1, 1]])
+      >>> loss = jnp.array([[1.0, 2.0, 2.0, 99.0], [4.0, 5.0, 6.0, 7.0]])
+      >>> value, weight = sequence_mean(loss, seg)
+      >>> float(value), float(weight)  # the mean of 1.5, 2.0 and 5.5
+      (3.0, 3.0)
+    """
+    loss, seg = _loss_and_segments("jaxaccum.packing.sequence_mean", per_token_loss, segment_ids)
+    acc = _sum_dtype(loss.dtype)
+    length = seg.shape[-1]
+    num_rows = math.prod(seg.shape[:-1])
+    real = seg > 0
+    ids = (jnp.arange(num_rows)[:, None] * (length + 1) + seg.reshape(num_rows, length))
+    ids = ids.reshape(-1)
+    slots = num_rows * (length + 1)
+    sums = jax.ops.segment_sum(jnp.where(real, loss, 0).reshape(-1).astype(acc), ids, slots)
+    counts = jax.ops.segment_sum(real.reshape(-1).astype(acc), ids, slots)
+    present = counts > 0  # padding (segment 0) is never counted
+    means = sums / jnp.maximum(counts, 1)
+    number = jnp.sum(present, dtype=acc)
+    total = jnp.sum(jnp.where(present, means, 0))
+    return (total / jnp.maximum(number, 1)).astype(loss.dtype), number
+
+
+def attention_mask(segment_ids: Any) -> jax.Array:
+    """The attention mask of packed rows: causal, within a sequence, and not from padding.
+
+    ``mask[..., q, k]`` is True where query position q may attend to key position k:
+    ``k <= q``, both in the same segment, and that segment not padding. A padding query has
+    no True entry: fill the masked scores with a large finite negative number (e.g.
+    ``jnp.finfo(dtype).min``) rather than ``-inf``, or its softmax is 0/0; masked entries then
+    get exactly 0 weight, so no sequence sees another's tokens.
+
+    Args:
+      segment_ids: integer ``(..., length)`` segment ids, 0 in padding.
+
+    Returns:
+      A bool array of shape ``(..., length, length)``.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jaxaccum.packing import attention_mask
+      >>> attention_mask(jnp.array([1, 1, 2, 0])).astype(int)
+      Array([[1, 0, 0, 0],
+             [1, 1, 0, 0],
+             [0, 0, 1, 0],
+             [0, 0, 0, 0]], dtype=int32)
+    """
+    seg = jnp.asarray(segment_ids)
+    if seg.ndim < 1:
+        raise ValueError(
+            f"jaxaccum.packing.attention_mask: segment_ids must have shape (..., length); got "
+            f"a scalar of shape {seg.shape}"
+        )
+    length = seg.shape[-1]
+    causal = jnp.tril(jnp.ones((length, length), bool))
+    query, key = seg[..., :, None], seg[..., None, :]
+    return (query == key) & (query > 0) & causal

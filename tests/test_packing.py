@@ -1,0 +1,636 @@
+"""jaxaccum.packing: sequences packed into micro-batches, and losses that stay exact over them.
+
+- Layout: every token of every sequence lands exactly once, whole, contiguous, in one row, with
+  consistent segment ids and positions, and ``sequence_index`` maps it back (seeded Zipf-like
+  lengths, edge cases, a Hypothesis property); the errors name the entry point, the argument,
+  what was expected and received, and the fix.
+- Efficiency: best-fit decreasing is checked against a naive best-fit (same rows, same fills),
+  against the 11/9 OPT + 4 worst-case bound on instances whose optimum is known, and on a Zipf
+  corpus of mean length ~length/2.
+- ``pack_stream``: every sequence once, in order with ``lookahead=1``, steps filled greedily.
+- Masking: in a tiny packed transformer (tests/transformer.py) one sequence's tokens change no
+  other sequence's loss (bit for bit), and a sequence's loss packed equals its loss alone within
+  float32 rounding (bounded by the float32 error of the unpacked run against float64).
+- Normalisation: ``token_mean``/``sequence_mean`` pairs combined as ``sum(v w) / sum(w)`` over
+  micro-batches (by hand and through ``jaxaccum.value_and_grad(weighted=True)``, gradients
+  included) equal the unpacked batch's means within float32 rounding; the mean of per-micro-batch
+  means does not.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import transformer
+from conftest import EPS32, assert_within_rounding, max_rel_diff, rounding_error_ratio, to_float64
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import jaxaccum
+from jaxaccum.packing import (
+    Packed,
+    attention_mask,
+    pack,
+    pack_stream,
+    sequence_mean,
+    token_mean,
+)
+
+VOCAB = 13
+
+
+def zipf_lengths(rng, n, length, a=1.5):
+    """Lengths ``ceil(length * u**0.1 / rank)``, rank ~ Zipf(a) (capped at length), u ~ U(0, 1):
+    a few long sequences, many short ones. With a = 1.5 the mean is about length / 2:
+    E[1/rank] = zeta(2.5) / zeta(1.5) = 0.51, E[u**0.1] = 1/1.1, plus the ceiling (0.47 to
+    0.50 of length measured for length 16 to 512)."""
+    rank = np.minimum(rng.zipf(a, n), length)
+    return np.maximum(1, np.ceil(length * rng.uniform(0, 1, n) ** 0.1 / rank)).astype(int)
+
+
+def random_sequences(rng, lengths, vocab=VOCAB):
+    return [rng.integers(0, vocab, size=k).astype(np.int32) for k in lengths]
+
+
+def check_packed(packed, seqs, *, rows, length, pad_id=0, index=None):
+    """Asserts the whole layout contract of ``packed`` for ``seqs`` (their sequence_index
+    values are ``index``, default 0..n-1): each sequence whole, once, contiguous, in one row,
+    in order; padding exactly where sequence_index is -1, last in each row, pad_id and position
+    0 there; segment ids 1, 2, ... starting exactly where positions restart, the sequences of
+    a row in input order; the micro-batch count and fill as the arrays say."""
+    index = range(len(seqs)) if index is None else index
+    assert isinstance(packed, Packed)
+    m = packed.tokens.shape[0]
+    arrays = (packed.tokens, packed.segment_ids, packed.positions, packed.sequence_index)
+    for a in arrays:
+        assert a.shape == (m, rows, length) and a.dtype == np.int32
+    tok, seg, pos, sidx = (a.reshape(-1, length) for a in arrays)
+    pad = seg == 0
+    np.testing.assert_array_equal(pad, sidx == -1)
+    assert np.all(tok[pad] == pad_id) and np.all(pos[pad] == 0)
+    real = (~pad).sum(axis=1)
+    np.testing.assert_array_equal(~pad, np.arange(length) < real[:, None])  # padding last
+    total = 0
+    for i, s in zip(index, seqs, strict=True):
+        r, c = np.nonzero(sidx == i)  # row-major: sorted by row, then column
+        assert r.size == len(s), f"sequence {i}: {r.size} tokens packed, {len(s)} given"
+        assert np.all(r == r[0]), f"sequence {i} is split over rows"
+        np.testing.assert_array_equal(c, c[0] + np.arange(len(s)))  # contiguous
+        np.testing.assert_array_equal(pos[r, c], np.arange(len(s)))
+        np.testing.assert_array_equal(tok[r, c], s)
+        assert np.unique(seg[r, c]).size == 1
+        total += len(s)
+    assert int((~pad).sum()) == total  # no token from anywhere else, none twice
+    for row in range(tok.shape[0]):
+        n = real[row]
+        if n == 0:
+            continue
+        starts = pos[row, :n] == 0
+        np.testing.assert_array_equal(seg[row, :n], np.cumsum(starts))
+        np.testing.assert_array_equal(starts[1:], sidx[row, 1:n] != sidx[row, : n - 1])
+        assert np.all(np.diff(sidx[row, :n][starts]) > 0)  # in a row, in input order
+    used = np.flatnonzero(real)
+    np.testing.assert_array_equal(used, np.arange(used.size))  # rows filled from the first
+    assert packed.num_microbatches == -(-used.size // rows)
+    assert packed.num_tokens == total
+    slots = packed.num_microbatches * rows * length
+    assert packed.fill == (total / slots if slots else 0.0)
+
+
+def row_fills(packed):
+    """Tokens per used row."""
+    real = (packed.segment_ids > 0).reshape(-1, packed.tokens.shape[-1]).sum(axis=1)
+    return real[real > 0]
+
+
+def naive_best_fit_decreasing(lengths, length):
+    """O(n * rows) best-fit decreasing: the fills of the rows, as a reference."""
+    fills: list[int] = []
+    for k in sorted(lengths, reverse=True):
+        free = [length - f if length - f >= k else length + 1 for f in fills]
+        best = int(np.argmin(free)) if free else -1
+        if best < 0 or free[best] > length:
+            fills.append(k)
+        else:
+            fills[best] += k
+    return sorted(fills)
+
+
+# --- layout ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed,rows,length", [(0, 4, 64), (1, 3, 50), (2, 1, 17), (3, 8, 7)])
+def test_zipf_layout(seed, rows, length):
+    rng = np.random.default_rng(seed)
+    seqs = random_sequences(rng, zipf_lengths(rng, 150, length))
+    packed = pack(seqs, rows=rows, length=length)
+    check_packed(packed, seqs, rows=rows, length=length)
+    assert sorted(row_fills(packed)) == naive_best_fit_decreasing([len(s) for s in seqs], length)
+
+
+def test_pack_example_by_hand():
+    """Best-fit decreasing on 3, 2, 4 tokens in rows of 5: 4 opens row 0, 3 fits nowhere and
+    opens row 1, 2 goes to the tightest row it fits (row 1, 2 free; row 0 has 1)."""
+    seqs = [np.array([5, 6, 7]), np.array([8, 9]), np.array([1, 2, 3, 4])]
+    packed = pack(seqs, rows=1, length=5)
+    np.testing.assert_array_equal(packed.sequence_index[:, 0],
+                                  [[2, 2, 2, 2, -1], [0, 0, 0, 1, 1]])
+    check_packed(packed, seqs, rows=1, length=5)
+    assert packed.num_microbatches == 2
+
+
+def test_sequence_of_exactly_length():
+    rng = np.random.default_rng(4)
+    seqs = random_sequences(rng, [8, 3, 8, 5, 8])
+    packed = pack(seqs, rows=2, length=8)
+    check_packed(packed, seqs, rows=2, length=8)
+    assert sorted(row_fills(packed)) == [8, 8, 8, 8]  # the 3 and the 5 share a row
+
+
+def test_empty_list():
+    packed = pack([], rows=2, length=8)
+    assert packed.tokens.shape == (0, 2, 8) and packed.num_microbatches == 0
+    assert packed.fill == 0.0
+    padded = pack([], rows=2, length=8, max_microbatches=3, pad_id=5)
+    check_packed(padded, [], rows=2, length=8, pad_id=5)
+    assert padded.tokens.shape == (3, 2, 8) and padded.num_microbatches == 0
+
+
+def test_one_sequence():
+    seq = np.array([3, 1, 4], np.int64)
+    packed = pack([seq], rows=4, length=6)
+    check_packed(packed, [seq], rows=4, length=6)
+    assert packed.tokens.shape == (1, 4, 6) and packed.num_microbatches == 1
+    assert packed.fill == 3 / 24
+
+
+def test_max_microbatches_pads_with_empty_microbatches():
+    rng = np.random.default_rng(5)
+    seqs = random_sequences(rng, zipf_lengths(rng, 30, 16))
+    used = pack(seqs, rows=2, length=16).num_microbatches
+    packed = pack(seqs, rows=2, length=16, max_microbatches=used + 2, pad_id=-1)
+    check_packed(packed, seqs, rows=2, length=16, pad_id=-1)
+    assert packed.tokens.shape[0] == used + 2 and packed.num_microbatches == used
+    assert np.all(packed.segment_ids[used:] == 0) and np.all(packed.tokens[used:] == -1)
+    assert np.any(packed.segment_ids[used - 1])
+
+
+def test_inputs_of_other_integer_types():
+    seqs = [[1, 2, 3], np.array([7, 8], np.uint8), np.array([2**31 - 1], np.int64)]
+    packed = pack(seqs, rows=1, length=4)
+    check_packed(packed, [np.asarray(s) for s in seqs], rows=1, length=4)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 12), max_size=30),
+    length=st.integers(1, 12),
+    rows=st.integers(1, 4),
+    spare=st.integers(0, 2),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_property_layout(lengths, length, rows, spare, seed):
+    lengths = [min(k, length) for k in lengths]
+    seqs = random_sequences(np.random.default_rng(seed), lengths)
+    used = pack(seqs, rows=rows, length=length).num_microbatches
+    packed = pack(seqs, rows=rows, length=length, max_microbatches=max(used + spare, 1))
+    check_packed(packed, seqs, rows=rows, length=length)
+    fills = sorted(row_fills(packed))
+    assert fills == naive_best_fit_decreasing(lengths, length)
+    assert len(fills) <= len(seqs)  # never more rows than one sequence per row
+    assert len(fills) < 2 or fills[0] + fills[1] > length  # any fit: two rows never merge
+
+
+# --- errors ------------------------------------------------------------------------------------
+
+
+def test_too_long_sequence():
+    seqs = [np.arange(3), np.arange(8), np.arange(9)]
+    with pytest.raises(ValueError, match=(
+            r"^jaxaccum\.packing\.pack: sequences\[2\] has 9 tokens, more "
+                       r"than a row holds \(length=8\); truncate it .* or raise length to at "
+                       r"least 9$")):
+        pack(seqs, rows=2, length=8)
+
+
+def test_too_many_microbatches():
+    seqs = [np.arange(4)] * 5  # 5 rows of length 4: 3 micro-batches of 2 rows
+    with pytest.raises(ValueError, match=(
+            r"^jaxaccum\.packing\.pack: sequences: the 5 sequences \(20 "
+                       r"tokens\) need 5 rows of length=4, 3 micro-batches of rows=2; expected "
+                       r"at most max_microbatches=2 \(4 rows\)\. Pass fewer sequences per call "
+                       r".* or raise max_microbatches to at least 3$")):
+        pack(seqs, rows=2, length=4, max_microbatches=2)
+    check_packed(pack(seqs, rows=2, length=4, max_microbatches=3), seqs, rows=2, length=4)
+
+
+@pytest.mark.parametrize("sequences,error,message", [
+    ([np.zeros((2, 3), int)], ValueError, r"sequences\[0\] must be a 1-D array .* got shape "
+     r"\(2, 3\)"),
+    ([np.arange(2), np.array(4)], ValueError, r"sequences\[1\] must be a 1-D .* got shape \(\)"),
+    ([np.arange(2.0)], TypeError, r"sequences\[0\] must hold integer token ids; got dtype "
+     r"float64 \(convert it"),
+    ([np.arange(2), np.array([], int)], ValueError, r"sequences\[1\] is empty; .*drop the "
+     r"empty ones"),
+    ([np.array([2**40])], ValueError, r"sequences\[0\] holds token ids outside int32"),
+    (np.arange(3), TypeError, r"sequences must be a list of 1-D arrays, one per sequence; got "
+     r"a 1-D array \(wrap a single sequence in a list"),
+])
+def test_bad_sequences(sequences, error, message):
+    with pytest.raises(error, match=r"^jaxaccum\.packing\.pack: " + message):
+        pack(sequences, rows=2, length=8)
+
+
+@pytest.mark.parametrize("kwargs,error,message", [
+    ({"rows": 0}, ValueError, r"rows must be >= 1; got rows=0"),
+    ({"length": 2.0}, TypeError, r"length must be a positive int; got 2.0"),
+    ({"max_microbatches": 0}, ValueError, r"max_microbatches must be >= 1"),
+    ({"pad_id": 2**31}, ValueError, r"pad_id must fit in int32"),
+    ({"pad_id": None}, TypeError, r"pad_id must be an int"),
+])
+def test_bad_arguments(kwargs, error, message):
+    with pytest.raises(error, match=r"^jaxaccum\.packing\.pack: " + message):
+        pack([np.arange(2)], **{"rows": 2, "length": 8, **kwargs})
+
+
+# --- efficiency --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed,max_pieces", [(0, 3), (1, 5), (2, 8)])
+def test_within_worst_case_bound_of_known_optimum(seed, max_pieces):
+    """Cut R full rows into pieces and shuffle them: the optimum is exactly R rows (the pieces
+    fill R rows, and hold R * length tokens). Best-fit decreasing uses at most
+    11/9 OPT + 4 rows (Johnson, Demers, Ullman, Garey, Graham 1974), whatever the input."""
+    rng = np.random.default_rng(seed)
+    length, opt = 100, 300
+    lengths = []
+    for _ in range(opt):
+        cuts = np.sort(rng.choice(np.arange(1, length), rng.integers(0, max_pieces), False))
+        lengths += np.diff(np.concatenate([[0], cuts, [length]])).tolist()
+    rng.shuffle(lengths)
+    packed = pack(random_sequences(rng, lengths), rows=4, length=length)
+    used = row_fills(packed).size
+    assert opt <= used <= 11 / 9 * opt + 4
+
+
+def test_zipf_corpus_fill():
+    """A Zipf-like corpus of mean length ~length/2. OPT >= LB = max(ceil(tokens / length),
+    sequences longer than length/2 (no two share a row)), so ``used <= 11/9 LB + 4`` is
+    stricter than the worst-case bound and holds here; then ``fill >= tokens / (length *
+    (11/9 LB + 4 + rows - 1))`` (the last micro-batch may hold rows - 1 empty rows), which is
+    >= 0.8 for this corpus because its volume bound is tight (tokens / (length LB) ~ 1: 9/11
+    ~ 0.82 in the worst case). Best fit is in fact near optimal here (fill ~ 0.99)."""
+    rng = np.random.default_rng(7)
+    length, rows = 512, 8
+    lengths = zipf_lengths(rng, 2000, length)
+    assert 0.4 <= lengths.mean() / length <= 0.6
+    packed = pack(random_sequences(rng, lengths), rows=rows, length=length)
+    fills = row_fills(packed)
+    tokens = int(lengths.sum())
+    lb = max(-(-tokens // length), int(np.sum(lengths > length / 2)))
+    assert fills.sum() == tokens
+    assert fills.size <= 11 / 9 * lb + 4
+    assert fills.size <= lengths.size  # naive: one sequence per row
+    assert np.sort(fills)[:2].sum() > length  # any fit: no two rows could be merged
+    bound = tokens / (length * (11 / 9 * lb + 4 + rows - 1))
+    assert packed.fill >= bound >= 0.8
+    assert sorted(fills) == naive_best_fit_decreasing(lengths.tolist(), length)
+
+
+# --- pack_stream -------------------------------------------------------------------------------
+
+
+def stream_indices(packed):
+    """The arrival indices of the sequences of one step, in no particular order."""
+    return np.unique(packed.sequence_index[packed.segment_ids > 0])
+
+
+@pytest.mark.parametrize("lookahead", [1, 4, 32])
+def test_stream_every_sequence_once(lookahead):
+    rng = np.random.default_rng(8)
+    length, rows, m = 32, 2, 3
+    seqs = random_sequences(rng, zipf_lengths(rng, 200, length))
+    steps = list(pack_stream(iter(seqs), rows=rows, length=length, max_microbatches=m,
+                             lookahead=lookahead))
+    seen = []
+    for packed in steps:
+        idx = stream_indices(packed)
+        assert packed.tokens.shape == (m, rows, length)
+        assert 1 <= packed.num_microbatches <= m
+        check_packed(packed, [seqs[i] for i in idx], rows=rows, length=length, index=idx)
+        # the step tries the sequences left waiting first, on empty rows: the oldest one left
+        # always goes in, so none waits more than one step
+        assert idx.min() == min(set(range(len(seqs))) - set(seen))
+        seen += idx.tolist()
+    assert sorted(seen) == list(range(len(seqs)))
+    if lookahead == 1:
+        order = np.concatenate([stream_indices(p) for p in steps])
+        np.testing.assert_array_equal(order, np.arange(len(seqs)))  # arrival order kept
+        # greedy: a step ends only when the next sequence fits in none of its rows, all
+        # m * rows of them open
+        for packed, nxt in zip(steps, steps[1:], strict=False):
+            fills = row_fills(packed)
+            assert fills.size == m * rows
+            assert length - fills.min() < len(seqs[stream_indices(nxt)[0]])
+
+
+def test_stream_fills_steps_with_lookahead():
+    """With a lookahead the later short sequences fill the gaps: fewer steps than in order."""
+    rng = np.random.default_rng(9)
+    seqs = random_sequences(rng, zipf_lengths(rng, 300, 32))
+    count = {k: len(list(pack_stream(seqs, rows=2, length=32, max_microbatches=2,
+                                     lookahead=k))) for k in (1, 16)}
+    assert count[16] < count[1]
+    assert count[16] >= math.ceil(sum(map(len, seqs)) / (2 * 2 * 32))  # the token budget
+
+
+def test_stream_edge_cases_and_errors():
+    assert list(pack_stream([], rows=2, length=4, max_microbatches=2)) == []
+    with pytest.raises(ValueError, match=(
+            r"^jaxaccum\.packing\.pack_stream: lookahead must be >= "
+            r"1")):
+        pack_stream([], rows=2, length=4, max_microbatches=2, lookahead=0)  # at the call
+    steps = pack_stream([np.arange(3), np.arange(4), np.arange(5)], rows=1, length=4,
+                        max_microbatches=1, lookahead=1)
+    np.testing.assert_array_equal(next(steps).tokens[0, 0], [0, 1, 2, 0])
+    np.testing.assert_array_equal(next(steps).tokens[0, 0], [0, 1, 2, 3])
+    with pytest.raises(ValueError, match=r"^jaxaccum\.packing\.pack_stream: sequences\[2\] has 5 "
+                       r"tokens, more than a row holds \(length=4\); truncate"):
+        next(steps)  # read (and checked) when a step reaches it
+
+
+# --- loss helpers: unit checks -----------------------------------------------------------------
+
+
+def test_attention_mask_definition():
+    rng = np.random.default_rng(10)
+    packed = pack(random_sequences(rng, zipf_lengths(rng, 12, 8)), rows=2, length=8)
+    mask = np.asarray(attention_mask(packed.segment_ids))
+    seg = packed.segment_ids
+    assert mask.shape == (*seg.shape, 8) and mask.dtype == bool
+    for m, r in np.ndindex(seg.shape[:2]):
+        for q in range(8):
+            for k in range(8):
+                expected = k <= q and seg[m, r, q] == seg[m, r, k] and seg[m, r, q] > 0
+                assert mask[m, r, q, k] == expected
+
+
+def test_token_and_sequence_mean_match_float64():
+    """Against float64 NumPy. Error bound: the losses are positive, so a float32 sum of n
+    terms is within (n - 1) eps32 of the exact sum, relatively; a division adds eps32. The
+    token mean sums N = all real tokens: (N + 1) eps32. The sequence mean sums at most
+    ``length`` terms per sequence, divides, then sums S sequence means and divides:
+    (length + S + 2) eps32."""
+    rng = np.random.default_rng(11)
+    length = 16
+    packed = pack(random_sequences(rng, zipf_lengths(rng, 40, length)), rows=3, length=length)
+    seg = packed.segment_ids
+    loss = rng.exponential(size=seg.shape).astype(np.float32)
+    loss[seg == 0] = np.nan  # padding values must not leak in
+    n = int((seg > 0).sum())
+    tv, tw = token_mean(loss, seg)
+    assert float(tw) == n and tw.dtype == jnp.float32
+    exact = np.sum(loss[seg > 0], dtype=np.float64) / n
+    assert abs(float(tv) - exact) <= (n + 1) * EPS32 * exact
+    means = [np.mean(loss[m, r][seg[m, r] == s], dtype=np.float64)
+             for m, r in np.ndindex(seg.shape[:2]) for s in np.unique(seg[m, r]) if s > 0]
+    sv, sw = sequence_mean(loss, seg)
+    assert float(sw) == len(means) == 40
+    exact = np.mean(means)
+    assert abs(float(sv) - exact) <= (length + len(means) + 2) * EPS32 * exact
+    # per micro-batch, combined with the weights: the same (the leading axes count as rows)
+    pairs = np.array([sequence_mean(loss[m], seg[m]) for m in range(seg.shape[0])], np.float64)
+    for m in range(seg.shape[0]):
+        assert pairs[m, 1] == sum(np.unique(seg[m, r][seg[m, r] > 0]).size for r in range(3))
+    combined = pairs[:, 0] @ pairs[:, 1] / pairs[:, 1].sum()
+    assert abs(combined - exact) <= (length + len(means) + 2) * EPS32 * exact
+
+
+def test_all_padding_gives_zero_weight_and_no_nan():
+    seg = jnp.zeros((2, 8), jnp.int32)
+    for fn in (token_mean, sequence_mean):
+        value, weight = fn(jnp.ones((2, 8)), seg)
+        assert float(value) == 0.0 and float(weight) == 0.0
+        g = jax.grad(lambda x, fn=fn: fn(x, seg)[0])(jnp.ones((2, 8)))
+        assert np.all(np.asarray(g) == 0.0)
+
+
+def test_loss_helper_errors():
+    with pytest.raises(ValueError, match=r"^jaxaccum\.packing\.token_mean: per_token_loss and "
+                       r"segment_ids must have one shape .* got per_token_loss \(2, 8\) and "
+                       r"segment_ids \(2, 7\)"):
+        token_mean(jnp.ones((2, 8)), jnp.ones((2, 7), jnp.int32))
+    with pytest.raises(TypeError, match=(
+            r"^jaxaccum\.packing\.sequence_mean: segment_ids must have an "
+                       r"integer dtype")):
+        sequence_mean(jnp.ones(8), jnp.ones(8))
+    with pytest.raises(TypeError, match=(
+            r"^jaxaccum\.packing\.token_mean: per_token_loss must have a "
+                       r"floating dtype")):
+        token_mean(jnp.ones(8, jnp.int32), jnp.ones(8, jnp.int32))
+
+
+# --- the packed transformer --------------------------------------------------------------------
+
+LENGTH, ROWS = 16, 2
+PARAMS = transformer.init_params(jax.random.key(0), vocab=VOCAB, max_len=LENGTH)
+
+
+def causal_only(segment_ids):
+    """A wrong mask: causal, padding excluded, but across segments."""
+    n = segment_ids.shape[-1]
+    return jnp.tril(jnp.ones((n, n), bool)) & (segment_ids[..., :, None] > 0)
+
+
+def corpus(seed, n):
+    rng = np.random.default_rng(seed)
+    lengths = zipf_lengths(rng, n, LENGTH)
+    lengths[:2] = [1, LENGTH]  # a sequence with no target, one filling a row
+    return random_sequences(rng, lengths)
+
+
+loss_fn = jax.jit(transformer.per_token_loss, static_argnames="mask_fn")
+
+
+def packed_loss(params, packed, mask_fn=attention_mask):
+    return np.asarray(loss_fn(params, packed.tokens, packed.segment_ids, packed.positions,
+                              mask_fn=mask_fn))
+
+
+@pytest.mark.parametrize("mask_fn", [attention_mask, causal_only])
+def test_other_sequences_see_nothing(mask_fn):
+    """Changing one sequence's tokens changes no other sequence's per-token loss, bit for
+    bit; with the mask across segments (the control) the sequences after it in its row do
+    change."""
+    seqs = corpus(12, 14)
+    packed = pack(seqs, rows=ROWS, length=LENGTH)
+    base = packed_loss(PARAMS, packed, mask_fn)
+    rng = np.random.default_rng(13)
+    sidx, seg = packed.sequence_index, packed.segment_ids
+    has_target = np.asarray(transformer.target_segment_ids(seg)) > 0
+    changed_others, changed_later = [], []
+    for i in range(len(seqs)):
+        where = sidx == i
+        (m,), (r,) = np.unique(np.nonzero(where)[0]), np.unique(np.nonzero(where)[1])
+        if seg[m, r].max() < 2 or len(seqs[i]) < 2:
+            continue  # alone in its row, or no target of its own
+        tokens = packed.tokens.copy()
+        tokens[where] = (tokens[where] + rng.integers(1, VOCAB, where.sum())) % VOCAB
+        loss = packed_loss(PARAMS, packed._replace(tokens=tokens), mask_fn)
+        others = (sidx != i) & (seg > 0)
+        later = np.zeros_like(where)
+        later[m, r] = (seg[m, r] > seg[where][0]) & has_target[m, r]
+        assert not np.array_equal(loss[where], base[where])  # its own loss does change
+        changed_others.append(not np.array_equal(loss[others], base[others]))
+        if later.any():
+            changed_later.append(not np.array_equal(loss[later], base[later]))
+    assert len(changed_others) >= 4 and len(changed_later) >= 2
+    if mask_fn is attention_mask:
+        assert not any(changed_others)
+    else:
+        assert all(changed_later)
+
+
+def plain_causal(segment_ids):
+    """The mask of an unpacked batch: causal only, no segments (nor padding) looked at."""
+    n = segment_ids.shape[-1]
+    return jnp.broadcast_to(jnp.tril(jnp.ones((n, n), bool)), (*segment_ids.shape, n))
+
+
+def one_per_row(seqs):
+    """The unpacked batch: sequence i alone at the start of row i, padding after it (which
+    causal attention keeps it from seeing): tokens, segment ids (1, then 0), positions."""
+    tokens = np.zeros((len(seqs), LENGTH), np.int32)
+    for i, s in enumerate(seqs):
+        tokens[i, : len(s)] = s
+    lengths = np.array([len(s) for s in seqs])
+    seg = (np.arange(LENGTH) < lengths[:, None]).astype(np.int32)
+    pos = np.broadcast_to(np.arange(LENGTH, dtype=np.int32), tokens.shape)
+    return tokens, seg, pos
+
+
+def alone_losses(params, batch):
+    """Per-token losses of each sequence run alone, plain causal mask (targets only kept: the
+    rest are 0)."""
+    return transformer.per_token_loss(params, *batch, mask_fn=plain_causal)
+
+
+def per_sequence(losses, seqs):
+    return [np.asarray(losses[i, : len(s) - 1], np.float64) for i, s in enumerate(seqs)]
+
+
+@pytest.mark.parametrize("mask_fn", [attention_mask, causal_only])
+def test_packed_loss_equals_alone(mask_fn):
+    """Each sequence's per-token loss in the packed batch equals its loss run alone, as close
+    to the float64 result as the float32 run alone is (10x its error + 16 eps32); the control
+    mask (across segments) is far off."""
+    seqs = corpus(14, 14)
+    packed = pack(seqs, rows=ROWS, length=LENGTH)
+    packed32 = packed_loss(PARAMS, packed, mask_fn)
+    batch = one_per_row(seqs)
+    alone32 = per_sequence(jax.jit(alone_losses)(PARAMS, batch), seqs)
+    with jax.enable_x64(True):
+        alone64 = per_sequence(jax.jit(alone_losses)(to_float64(PARAMS), batch), seqs)
+    # the reference is the sequence run alone: in a row of its own length, the same
+    for i in (1, 2):
+        n = len(seqs[i])
+        exact = loss_fn(PARAMS, seqs[i][None], jnp.ones((1, n), jnp.int32),
+                        jnp.arange(n)[None], mask_fn=plain_causal)
+        err, _, bound = rounding_error_ratio(exact[0, : n - 1], alone32[i], alone64[i])
+        assert err <= bound
+    target = transformer.target_segment_ids(packed.segment_ids)
+    got = []
+    for i, s in enumerate(seqs):
+        where = (packed.sequence_index == i) & (np.asarray(target) > 0)
+        got.append(packed32[where])  # row-major: in position order
+        assert got[-1].shape == (len(s) - 1,)
+    if mask_fn is attention_mask:
+        assert_within_rounding(got, alone32, alone64)
+    else:
+        err, _, bound = rounding_error_ratio(got, alone32, alone64)
+        assert err > 1000 * bound
+
+
+# --- normalisation over micro-batches ----------------------------------------------------------
+
+
+def unpacked_means(params, batch):
+    """The unpacked batch's token mean and sequence mean: each sequence alone, its targets
+    all its tokens but the last; sequences of one token have none and count for neither."""
+    losses = alone_losses(params, batch)
+    targets = jnp.sum(transformer.target_segment_ids(batch[1]) > 0, axis=1)
+    present = targets > 0
+    seq_means = jnp.sum(losses, axis=1) / jnp.maximum(targets, 1)
+    return (jnp.sum(losses) / jnp.sum(targets),
+            jnp.sum(jnp.where(present, seq_means, 0)) / jnp.sum(present))
+
+
+@pytest.fixture(scope="module")
+def normalisation_case():
+    seqs = corpus(15, 16)
+    packed = pack(seqs, rows=ROWS, length=LENGTH)
+    packed = pack(seqs, rows=ROWS, length=LENGTH, max_microbatches=packed.num_microbatches + 1)
+    batch = one_per_row(seqs)
+    full32 = jax.jit(unpacked_means)(PARAMS, batch)
+    with jax.enable_x64(True):
+        ref64 = tuple(np.float64(v) for v in jax.jit(unpacked_means)(to_float64(PARAMS), batch))
+    return seqs, packed, batch, full32, ref64
+
+
+@pytest.mark.parametrize("which", [0, 1], ids=["token_mean", "sequence_mean"])
+def test_weighted_microbatch_means_equal_unpacked_mean(normalisation_case, which):
+    """sum_i v_i w_i / sum_i w_i over the micro-batches (one all padding) equals the unpacked
+    mean within float32 rounding; the mean of the per-micro-batch means does not."""
+    seqs, packed, _, full32, ref64 = normalisation_case
+    helper = (token_mean, sequence_mean)[which]
+    loss = packed_loss(PARAMS, packed)
+    target = transformer.target_segment_ids(packed.segment_ids)
+    pairs = [helper(loss[m], target[m]) for m in range(packed.tokens.shape[0])]
+    v = np.array([p[0] for p in pairs], np.float32)
+    w = np.array([p[1] for p in pairs], np.float32)
+    assert packed.num_microbatches >= 3 and w[-1] == 0.0 and v[-1] == 0.0
+    counts = [len(s) - 1 for s in seqs]
+    assert w.sum() == (sum(counts) if which == 0 else sum(c > 0 for c in counts))
+    combined = np.sum(v * w, dtype=np.float32) / np.sum(w, dtype=np.float32)
+    err, _ = assert_within_rounding(combined, full32[which], ref64[which])
+    naive = np.mean(v[: packed.num_microbatches])
+    _, _, bound = rounding_error_ratio(naive, full32[which], ref64[which])
+    assert max_rel_diff(naive, ref64[which]) > 100 * bound
+
+
+@pytest.mark.parametrize("which", [0, 1], ids=["token_mean", "sequence_mean"])
+def test_value_and_grad_weighted_over_packed_microbatches(normalisation_case, which):
+    """jaxaccum.value_and_grad(weighted=True) over the packed micro-batches gives the loss and
+    gradient of the unpacked batch within float32 rounding (float64 reference); unweighted
+    (a mean of per-micro-batch means) the gradient is far off."""
+    _, packed, unpacked, _, _ = normalisation_case
+    helper = (token_mean, sequence_mean)[which]
+    m = packed.tokens.shape[0]
+
+    def loss(params, batch):
+        tokens, seg, pos = batch
+        per_token = transformer.per_token_loss(params, tokens, seg, pos)
+        return helper(per_token, transformer.target_segment_ids(seg))
+
+    # (M, rows, L) -> (rows * M, L) with row j of micro-batch i at j * M + i: value_and_grad
+    # splits strided (micro-batch i takes i, i + M, ...), so it sees the packed micro-batches
+    batch = tuple(jnp.asarray(a.transpose(1, 0, 2).reshape(-1, LENGTH))
+                  for a in (packed.tokens, packed.segment_ids, packed.positions))
+    got = jax.jit(jaxaccum.value_and_grad(loss, num_microbatches=m, weighted=True))(
+        PARAMS, batch)
+    reference = jax.jit(jax.value_and_grad(lambda p, s: unpacked_means(p, s)[which]))
+    full32 = reference(PARAMS, unpacked)
+    with jax.enable_x64(True):
+        ref64 = jax.tree.map(lambda x: np.asarray(x, np.float64),
+                             reference(to_float64(PARAMS), unpacked))
+    assert_within_rounding(got, full32, ref64)
+    naive = jax.jit(jaxaccum.value_and_grad(lambda p, b: loss(p, b)[0],
+                                            num_microbatches=packed.num_microbatches))(
+        PARAMS, tuple(a.reshape(ROWS, m, LENGTH)[:, : packed.num_microbatches]
+                      .reshape(-1, LENGTH) for a in batch))
+    _, _, bound = rounding_error_ratio(naive[1], full32[1], ref64[1])
+    assert max_rel_diff(naive[1], ref64[1]) > 100 * bound
