@@ -145,11 +145,6 @@ def per_step(step: Any, params: Any, state: Any, batch: Any, rounds: int) -> lis
     return out
 
 
-def programs(step: Any) -> int:
-    """The programs a jaxaccum.TrainStep compiled (its jitted functions' cache sizes)."""
-    return sum(f._cache_size() for f in step._compiled.values())
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
@@ -168,7 +163,7 @@ def main() -> None:
     t_packed = run_all(traced, params, state, packed)
     tok_padded = sum(real_tokens(b) for b in padded)
     tok_packed = sum(real_tokens(b) for b in packed)
-    compiled_packed = programs(traced)
+    compiled_packed = traced.num_programs
     counts = [int(b.count) for b in packed]
 
     # 100 steps of varying counts through one program: each step packs a random number of
@@ -217,7 +212,7 @@ def main() -> None:
                    "fill": tok_packed / (sum(counts) * ROWS * T), "counts": counts,
                    "programs": compiled_packed},
         "throughput_ratio": (tok_packed / t_packed) / (tok_padded / t_padded),
-        "programs_over_100_steps": programs(fresh),
+        "programs_over_100_steps": fresh.num_programs,
         "distinct_counts_over_100_steps": len({int(b.count) for b in hundred}),
         "step_ms": {name: 1e3 * v for name, v in med.items()},
         "traced_over_fixed_at_k": med["traced_k"] / med["fixed_k"],

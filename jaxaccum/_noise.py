@@ -26,7 +26,8 @@ class NoiseScale(NamedTuple):
     """One step's estimates for the simple gradient noise scale (McCandlish et al., app. A).
 
     Each step's ratio is noisy; average ``trace`` and ``gradient_sq`` over steps (an EMA)
-    before dividing, as the paper does, rather than averaging ``simple``.
+    before dividing, as the paper does, rather than averaging ``simple``. A step of one
+    micro-batch (a runtime count of 1) has nothing to compare: its estimates are NaN.
 
     Attributes:
       gradient_sq: unbiased estimate of ``|G|^2``, the true gradient's squared norm.
@@ -75,4 +76,5 @@ def estimate(sums: jax.Array, grads: Any) -> NoiseScale:
     weighted_sq, big, m = sums[0], sums[1], sums[2]
     g_big = squared_norm(grads)
     trace = (weighted_sq - big * g_big) / (m - 1.0)
+    trace = jnp.where(m > 1, trace, jnp.nan)  # one micro-batch: nothing to compare (a count of 1)
     return NoiseScale(g_big - trace / big, trace, big / m, big)

@@ -144,6 +144,13 @@ class TrainStep:
         with mesh_context(self._acc.options):
             return self._jitted(args).trace(*args)
 
+    @property
+    def num_programs(self) -> int:
+        """The programs compiled so far: one per distinct set of argument shapes, dtypes and
+        shardings. With ``max_microbatches`` every count runs the same program, so a loop of
+        varying counts keeps this at 1."""
+        return sum(f._cache_size() for f in self._compiled.values())
+
 
 def from_value_and_grad(
     entry: str,

@@ -139,6 +139,8 @@ def test_traced_count_noise_scale_counts_only_real_microbatches():
     assert float(got.big_batch) == 128.0
     assert float(got.trace) == pytest.approx(float(want.trace), rel=1e-5)
     assert float(got.gradient_sq) == pytest.approx(float(want.gradient_sq), rel=1e-5)
+    _, _, one = fn(w, jaxaccum.Microbatches(stack, 1))  # nothing to compare: NaN, not inf
+    assert np.isnan(float(one.trace)) and np.isnan(float(one.simple))
 
 
 def test_mnist_mlp_estimate_within_20_percent_of_per_example_gradients(mnist):
