@@ -37,6 +37,17 @@ def _split(nodes: Any, diff_filter: Any) -> tuple[Any, nnx.State, nnx.State]:
     return split[0], split[1], split[2]
 
 
+def _pure(model: nnx.Module, wrt: Any) -> tuple[nnx.State, Callable[[Any], Any]]:
+    """The ``wrt`` variables, and a function rebuilding the module from (new values of) them;
+    the module's other variables are constants of the rebuilt modules."""
+    graphdef, params, state = _split(model, wrt)
+
+    def merged(p: Any) -> Any:
+        return nnx.merge(graphdef, p, state, copy=True)
+
+    return params, merged
+
+
 def _check_options(entry: str, batch_argnums: Any, options: dict[str, Any]) -> tuple[
         _options.Options, tuple[int, ...]]:
     opts = _options.parse(entry, options)
@@ -322,11 +333,7 @@ def coupled_value_and_grad(
       (3, 4)
     """
     def accumulated(model: nnx.Module, batch: Any, *rest: Any) -> tuple[Any, nnx.State]:
-        graphdef, params, state = _split(model, wrt)
-
-        def merged(p: Any) -> Any:
-            return nnx.merge(graphdef, p, state, copy=True)
-
+        params, merged = _pure(model, wrt)
         fn = _coupled.coupled_value_and_grad(
             lambda p, b, *r: encode(merged(p), b, *r),
             lambda p, reps, b, *r: loss(merged(p), reps, b, *r), **options)
@@ -375,11 +382,7 @@ def statistics_first(
       (3, 1)
     """
     def accumulated(model: nnx.Module, batch: Any, *rest: Any) -> tuple[Any, nnx.State]:
-        graphdef, params, state = _split(model, wrt)
-
-        def merged(p: Any) -> Any:
-            return nnx.merge(graphdef, p, state, copy=True)
-
+        params, merged = _pure(model, wrt)
         fn = _coupled.statistics_first(
             lambda p, b, *r: stats(merged(p), b, *r),
             lambda p, b, totals, *r: fun(merged(p), b, totals, *r), **options)

@@ -269,7 +269,7 @@ def pack(
         needed than ``max_microbatches``; ``rows``, ``length`` or ``max_microbatches`` < 1.
       TypeError: a sequence that is not of integers; a count or ``pad_id`` that is not an int.
 
-    Example:
+    Examples:
       >>> import numpy as np
       >>> from jaxaccum.packing import pack
       >>> seqs = [np.array([5, 6, 7]), np.array([8, 9]), np.array([1, 2, 3, 4])]
@@ -362,7 +362,7 @@ def pack_stream(
         arrival index).
       TypeError: a count or ``pad_id`` not an int; while iterating, a sequence not of integers.
 
-    Example:
+    Examples:
       >>> import numpy as np
       >>> from jaxaccum.packing import pack_stream
       >>> seqs = (np.arange(n) for n in [3, 4, 2, 5, 1])
@@ -473,7 +473,7 @@ def token_mean(per_token_loss: Any, segment_ids: Any) -> tuple[jax.Array, jax.Ar
       ValueError: the two shapes differ, or are scalars.
       TypeError: a loss that is not floating or segment ids that are not integers.
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp
       >>> from jaxaccum.packing import token_mean
       >>> seg = jnp.array([[1, 1, 2, 0], [1, 1, 1, 1]])
@@ -520,7 +520,7 @@ def sequence_mean(per_token_loss: Any, segment_ids: Any) -> tuple[jax.Array, jax
       ValueError: the two shapes differ, or are scalars.
       TypeError: a loss that is not floating or segment ids that are not integers.
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp
       >>> from jaxaccum.packing import sequence_mean
       >>> seg = jnp.array([[1, 1, 2, 0], [1, 1, 1, 1]])
@@ -561,7 +561,7 @@ def attention_mask(segment_ids: Any) -> jax.Array:
     Returns:
       A bool array of shape ``(..., length, length)``.
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp
       >>> from jaxaccum.packing import attention_mask
       >>> attention_mask(jnp.array([1, 1, 2, 0])).astype(int)

@@ -85,6 +85,16 @@ def assert_within_rounding(actual, full32, ref64) -> tuple[float, float]:
     return err_actual, err_full
 
 
+def full_and_reference(loss_of_batch, params, batch):
+    """``jax.value_and_grad`` of the full batch in float32 and in float64 (the rounding
+    reference of :func:`assert_within_rounding`)."""
+    full32 = jax.jit(jax.value_and_grad(loss_of_batch))(params, batch)
+    with jax.enable_x64(True):
+        ref = jax.jit(jax.value_and_grad(loss_of_batch))(to_float64(params), to_float64(batch))
+        ref64 = jax.tree.map(lambda a: np.asarray(a, np.float64), ref)
+    return full32, ref64
+
+
 def to_float64(tree):
     """Casts every floating leaf to float64 (call inside ``jax.enable_x64(True)``)."""
     return jax.tree.map(

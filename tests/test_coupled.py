@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import assert_within_rounding, max_rel_diff, to_float64
+from conftest import assert_within_rounding, full_and_reference, max_rel_diff, to_float64
 
 import jaxaccum
 
@@ -59,15 +59,6 @@ def clip_data():
     batch = (x, x + 0.3 * jax.random.normal(keys[3], (B, D)),
              jax.random.key_data(jaxaccum.per_example_keys(jax.random.key(5), B)))
     return params, batch
-
-
-def full_and_reference(loss_of_batch, params, batch):
-    """The full batch in float32 and in float64 (the rounding reference)."""
-    full32 = jax.jit(jax.value_and_grad(loss_of_batch))(params, batch)
-    with jax.enable_x64(True):
-        ref = jax.jit(jax.value_and_grad(loss_of_batch))(to_float64(params), to_float64(batch))
-        ref64 = jax.tree.map(lambda a: np.asarray(a, np.float64), ref)
-    return full32, ref64
 
 
 def raw_keys(batch):

@@ -11,11 +11,11 @@ import optax
 import pytest
 from conftest import (
     assert_within_rounding,
+    full_and_reference,
     max_rel_diff,
     mlp_apply,
     mlp_params,
     mse_loss,
-    to_float64,
 )
 
 import jaxaccum
@@ -30,15 +30,6 @@ def stack_data(seed=0):
     return x, y
 
 
-def full_reference(loss, params, batch):
-    """value_and_grad of the full batch in float32 and float64 (the rounding reference)."""
-    full32 = jax.jit(jax.value_and_grad(loss))(params, batch)
-    with jax.enable_x64(True):
-        ref = jax.jit(jax.value_and_grad(loss))(to_float64(params), to_float64(batch))
-        ref64 = jax.tree.map(lambda a: np.asarray(a, np.float64), ref)
-    return full32, ref64
-
-
 def test_every_count_equals_the_full_batch_of_its_real_microbatches_in_one_program():
     params = mlp_params(jax.random.key(0))
     x, y = stack_data()
@@ -48,7 +39,7 @@ def test_every_count_equals_the_full_batch_of_its_real_microbatches_in_one_progr
         padded[0][count:] = 1e3  # padding that would show if it were evaluated
         got = fn(params, jaxaccum.Microbatches(padded, count))
         real = (x[:count].reshape(-1, 8), y[:count].reshape(-1, 4))
-        assert_within_rounding(got, *full_reference(mse_loss, params, real))
+        assert_within_rounding(got, *full_and_reference(mse_loss, params, real))
     assert fn._cache_size() == 1
 
 
@@ -74,7 +65,7 @@ def test_weighted_counts_give_the_exact_mean_over_valid_items():
     for count in (2, 5):
         got = fn(params, jaxaccum.Microbatches((x, y, valid), count))
         real = (x[:count].reshape(-1, 8), y[:count].reshape(-1, 4), valid[:count].reshape(-1))
-        assert_within_rounding(got, *full_reference(full, params, real))
+        assert_within_rounding(got, *full_and_reference(full, params, real))
 
 
 def test_aux_comes_back_in_the_stack_layout():
