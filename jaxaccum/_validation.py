@@ -135,7 +135,13 @@ def scalar(value: Any, what: str, *, floating: bool) -> None:
     shape = getattr(value, "shape", None)
     dtype = getattr(value, "dtype", None)
     if shape is None or dtype is None:
-        raise TypeError(f"{what} must be a scalar array; got {type(value).__name__}: {value!r}")
+        hint = ""
+        if isinstance(value, (tuple, list)) and len(value) == 2:
+            hint = ("; a pair means (loss, aux) or (loss, weight): pass has_aux=True (or a "
+                    "reduction such as has_aux='concat') for an aux, weighted=True for a weight")
+        raise TypeError(
+            f"{what} must be a scalar array; got {type(value).__name__}: {value!r}{hint}"
+        )
     if shape != ():
         raise ValueError(
             f"{what} must be a scalar (the mean over the micro-batch); got shape {shape}"

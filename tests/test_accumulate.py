@@ -512,3 +512,12 @@ def test_unroll_gives_the_same_result_and_is_checked():
     assert "unroll=4" in str(jax.make_jaxpr(unrolled_fn)(PARAMS, BATCH))
     with pytest.raises(TypeError, match="jaxaccum.value_and_grad: unroll must be"):
         jaxaccum.value_and_grad(mse_loss, num_microbatches=8, unroll=0)
+
+
+def test_a_pair_returned_without_has_aux_names_the_option():
+    def with_aux(params, batch):
+        return mse_loss(params, batch), batch[0]
+
+    fn = jaxaccum.value_and_grad(with_aux, num_microbatches=2)
+    with pytest.raises(TypeError, match="a pair means .* pass has_aux=True .* weighted=True"):
+        fn(PARAMS, BATCH)
