@@ -80,8 +80,8 @@ def per_token_loss(p: dict[str, Any], tokens: jax.Array, seg: jax.Array,
 def loss(p: dict[str, Any], batch: Any) -> tuple[jax.Array, jax.Array]:
     """Token mean over the micro-batch's predicted tokens, and their count (``weighted``)."""
     tokens, seg, pos = batch
-    seg_next = jnp.where(jnp.pad(seg[:, 1:] == seg[:, :-1], ((0, 0), (0, 1))), seg, 0)
-    return packing.token_mean(per_token_loss(p, tokens, seg, pos), seg_next)
+    return packing.token_mean(per_token_loss(p, tokens, seg, pos),
+                              packing.next_token_segments(seg))
 
 
 # --- the corpus and the two ways of feeding it --------------------------------------------------

@@ -156,3 +156,12 @@ def restack_aux(acc: Accumulation, aux: Any, k: int) -> Any:
     leaves = [jnp.swapaxes(x.reshape((-1, k, *x.shape[1:])), 0, 1) if r is concat else x
               for r, x in zip(plan, jax.tree.leaves(aux), strict=True)]
     return jax.tree.unflatten(jax.tree.structure(aux), leaves)
+
+
+def canonical(batch: Any) -> Any:
+    """A :class:`Microbatches` with its count as an int32 jax array (a jitted step compiles
+    anew for a Python int, a NumPy scalar or a jax array of another dtype), so that every
+    count hits the same compiled program; anything else as is."""
+    if isinstance(batch, Microbatches) and not isinstance(batch.count, jax.core.Tracer):
+        return batch._replace(count=jnp.asarray(batch.count, jnp.int32))
+    return batch

@@ -10,7 +10,15 @@ import jax
 import optax
 from jax.sharding import NamedSharding
 
-from jaxaccum import _arguments, _options, _pipeline, _reductions, _value_and_grad
+from jaxaccum import (
+    _arguments,
+    _microbatches,
+    _options,
+    _pipeline,
+    _pytrees,
+    _reductions,
+    _value_and_grad,
+)
 
 ENTRY = "jaxaccum.train_step"
 
@@ -22,7 +30,8 @@ class StepInfo(NamedTuple):
       aux: the aux value combined as ``has_aux`` says (None without aux).
       skipped: int32 scalar, micro-batches left out by ``skip_nonfinite``.
       weight: float32 scalar, the step's total weight (0: no update was made).
-      num_microbatches: the micro-batches evaluated (on an Auto mesh summed over devices).
+      num_microbatches: the micro-batches evaluated (on an Auto mesh summed over the data-
+        parallel devices: k per device times their number).
       carry: the carried arguments' final values (one value, a tuple for several), ``()``
         without ``carry_argnums``.
       noise_scale: with the ``noise_scale`` option, the step's :class:`jaxaccum.NoiseScale`
@@ -130,6 +139,16 @@ class TrainStep:
     def __call__(
         self, params: optax.Params, opt_state: optax.OptState, batch: Any, *rest: Any
     ) -> tuple[optax.Params, optax.OptState, jax.Array, StepInfo]:
+        if _pytrees.needs_filter(params):
+            raise TypeError(
+                f"{self._acc.entry}: params holds leaves that are not arrays "
+                f"({type(params).__name__}, e.g. an Equinox module with its activation "
+                "functions), which a jitted step "
+                "cannot take as an argument; split it: params, static = eqx.partition(model, "
+                "eqx.is_inexact_array), close over static in loss_fn (eqx.combine(params, "
+                "static)), and pass params; or use jaxaccum.value_and_grad inside eqx.filter_jit"
+            )
+        batch = _microbatches.canonical(batch)
         args = (params, opt_state, batch, *rest)
         with mesh_context(self._acc.options):
             return self._jitted(args)(*args)  # type: ignore[no-any-return]
@@ -148,7 +167,9 @@ class TrainStep:
     def num_programs(self) -> int:
         """The programs compiled so far: one per distinct set of argument shapes, dtypes and
         shardings. With ``max_microbatches`` every count runs the same program, so a loop of
-        varying counts keeps this at 1."""
+        varying counts keeps this at 1 (counts given as Python or NumPy integers are made
+        int32 first). JAX compiles anew for arguments of another kind: NumPy parameters
+        after the first step's jax arrays, a weakly typed scalar in the optimizer state."""
         return sum(f._cache_size() for f in self._compiled.values())
 
 

@@ -22,7 +22,14 @@ from typing import Any
 import jax
 from flax import nnx
 
-from jaxaccum import _arguments, _coupled, _options, _reductions, _value_and_grad
+from jaxaccum import (
+    _arguments,
+    _coupled,
+    _microbatches,
+    _options,
+    _reductions,
+    _value_and_grad,
+)
 from jaxaccum._pipeline import Result
 
 
@@ -290,6 +297,7 @@ def train_step(
 
     @functools.wraps(loss_fn)
     def run(model: nnx.Module, optimizer: nnx.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        args = tuple(_microbatches.canonical(a) for a in args)  # one program for every count
         return jitted(model, optimizer, args, kwargs)  # keywords travel as one dict
 
     return run

@@ -546,6 +546,32 @@ def sequence_mean(per_token_loss: Any, segment_ids: Any) -> tuple[jax.Array, jax
     return (total / jnp.maximum(number, 1)).astype(loss.dtype), number
 
 
+def next_token_segments(segment_ids: Any) -> jax.Array:
+    """The segment ids of the positions that have a next-token target, 0 elsewhere.
+
+    Position t of a packed row predicts token t + 1 only when that token belongs to the same
+    sequence: the last token of each sequence, padding and the row's last position have no
+    target. Pass the result to :func:`token_mean` or :func:`sequence_mean` with a next-token
+    loss, so that only real predictions are counted.
+
+    Args:
+      segment_ids: the integer ``(..., length)`` segment ids (0 in padding).
+
+    Returns:
+      An array like ``segment_ids``: its id where the next position is in the same segment,
+      else 0.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from jaxaccum.packing import next_token_segments
+      >>> next_token_segments(jnp.array([[1, 1, 1, 2, 2, 0]])).tolist()
+      [[1, 1, 0, 2, 0, 0]]
+    """
+    seg = jnp.asarray(segment_ids)
+    following = jnp.concatenate([seg[..., 1:], jnp.zeros_like(seg[..., :1])], axis=-1)
+    return jnp.where(following == seg, seg, 0)
+
+
 def attention_mask(segment_ids: Any) -> jax.Array:
     """The attention mask of packed rows: causal, within a sequence, and not from padding.
 

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxaccum.packing import attention_mask
+from jaxaccum.packing import attention_mask, next_token_segments
 
 
 def init_params(key, *, vocab=13, d_model=16, heads=2, layers=2, max_len=32,
@@ -83,13 +83,7 @@ def logits(params, tokens, segment_ids, positions, *, mask_fn=attention_mask):
     return _norm(x, params["out_norm"]) @ params["out"]
 
 
-def target_segment_ids(segment_ids):
-    """The segment ids of the positions that have a target: those whose next position is in
-    the same (non-padding) segment; 0 at each sequence's last token, in padding and at the end
-    of the row."""
-    seg = jnp.asarray(segment_ids)
-    nxt = jnp.concatenate([seg[..., 1:], jnp.zeros_like(seg[..., :1])], axis=-1)
-    return jnp.where(nxt == seg, seg, 0)
+target_segment_ids = next_token_segments  # the library's helper
 
 
 def per_token_loss(params, tokens, segment_ids, positions, *, mask_fn=attention_mask):
