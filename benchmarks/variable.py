@@ -171,7 +171,7 @@ def main() -> None:
     rng = np.random.default_rng(1)
     hundred = []
     for _ in range(100):
-        chunk = [seqs[i] for i in rng.choice(len(seqs), rng.integers(4, 2 * K * ROWS))]
+        chunk = [seqs[i] for i in rng.choice(len(seqs), rng.integers(4, 110))]
         p = packing.pack(chunk, rows=ROWS, length=T, max_microbatches=K)
         hundred.append(jaxaccum.Microbatches((p.tokens, p.segment_ids, p.positions),
                                              np.int32(p.num_microbatches)))
