@@ -315,8 +315,8 @@ def pack(
             f"{PACK}: sequences: the {n} sequences ({int(lengths.sum())} tokens) need {num_rows} "
             f"rows of length={length}, {used} micro-batches of rows={rows}; expected at most "
             f"max_microbatches={max_microbatches} ({max_microbatches * rows} rows). Pass fewer "
-            "sequences per call (jaxaccum.packing.pack_stream takes as many as fit per step) or raise "
-            f"max_microbatches to at least {used}"
+            "sequences per call (jaxaccum.packing.pack_stream takes as many as fit per step) "
+            f"or raise max_microbatches to at least {used}"
         )
     return _assemble(seqs, np.arange(n), row_of, num_rows,
                      microbatches=used if max_microbatches is None else max_microbatches,
