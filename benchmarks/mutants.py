@@ -92,6 +92,12 @@ def mesh(guard: str, *before: str) -> tuple[str, ...]:
     return (*before, PIPE, "-k", "*", GUARDS, "-k", guard)
 
 
+VARIABLE = tests("tests/test_variable.py")
+NOISE = tests("tests/test_noise_scale.py", "-k", "not mnist")
+COUPLED = tests("tests/test_coupled.py", "-k", "not trajectory")
+PACKING = tests("tests/test_packing.py", "-k", "not property")
+EMIT = tests("tests/test_multi_steps.py", "-k", "emit or windows")
+
 P = "jaxaccum/_pipeline.py"
 R = "jaxaccum/_reductions.py"
 PL = "jaxaccum/_placement.py"
@@ -313,6 +319,27 @@ MUTANTS = [
            OPTIONS + (GUARDS, "-k", "bools")),
     Mutant("Equinox module not filtered", "jaxaccum/_pytrees.py",
            "    if is_equinox_module(tree):\n        return True\n", "", EQX),
+    # variable work per step, coupled losses
+    Mutant("runtime count ignored: all K micro-batches run", P,
+           "jax.lax.fori_loop(0, count, step, (start, ys))",
+           "jax.lax.fori_loop(0, k, step, (start, ys))", VARIABLE),
+    Mutant("micro-batch stack flattened contiguously", "jaxaccum/_microbatches.py",
+           "return jnp.swapaxes(x, 0, 1).reshape((-1, *x.shape[2:]))",
+           "return x.reshape((-1, *x.shape[2:]))", VARIABLE),
+    Mutant("noise trace divided by m, not m - 1", "jaxaccum/_noise.py",
+           "trace = (weighted_sq - big * g_big) / (m - 1.0)",
+           "trace = (weighted_sq - big * g_big) / m", NOISE),
+    Mutant("noise: micro-batch norms not weighted by their items", "jaxaccum/_noise.py",
+           "term = jnp.stack([items * squared_norm(grads), items",
+           "term = jnp.stack([squared_norm(grads), items", NOISE),
+    Mutant("coupled: cotangents not scaled to the batch", "jaxaccum/_coupled.py",
+           "return dot * (size / m), jnp.asarray(m, jnp.float32)",
+           "return dot, jnp.asarray(m, jnp.float32)", COUPLED),
+    Mutant("token_mean counts padding", "jaxaccum/packing.py",
+           "    count = jnp.sum(real, dtype=acc)\n",
+           "    count = jnp.sum(jnp.ones_like(real), dtype=acc)\n", PACKING),
+    Mutant("emit ignored", "jaxaccum/_multi_steps.py",
+           "        caller_emit = _emit_flag(emit)\n", "        caller_emit = None\n", EMIT),
 ]
 
 # mutants believed equivalent (no observable change), with the reason: reported beside the result
