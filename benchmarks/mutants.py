@@ -318,7 +318,8 @@ MUTANTS = [
            '    _check_bool(entry, "weighted", out.weighted)\n', "",
            OPTIONS + (GUARDS, "-k", "bools")),
     Mutant("Equinox module not filtered", "jaxaccum/_pytrees.py",
-           "    if is_equinox_module(tree):\n        return True\n", "", EQX),
+           "    return is_equinox_module(tree) or has_non_arrays(tree)",
+           "    return has_non_arrays(tree)", EQX),
     # variable work per step, coupled losses
     Mutant("runtime count ignored: all K micro-batches run", P,
            "jax.lax.fori_loop(0, count, step, (start, ys))",

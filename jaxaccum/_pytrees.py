@@ -52,8 +52,12 @@ def _is_inexact_array(x: Any) -> bool:
 def needs_filter(tree: Any) -> bool:
     """Whether ``tree`` is differentiated filtered (an Equinox module, or leaves that are no
     arrays: functions, activation objects)."""
-    if is_equinox_module(tree):
-        return True
+    return is_equinox_module(tree) or has_non_arrays(tree)
+
+
+def has_non_arrays(tree: Any) -> bool:
+    """Whether ``tree`` holds leaves a jitted function cannot take as arguments (functions,
+    activation objects); an Equinox module already partitioned (None there) holds none."""
     return any(
         not isinstance(x, (jax.Array, np.ndarray, np.generic, int, float, complex, bool))
         for x in jax.tree.leaves(tree)

@@ -139,7 +139,7 @@ class TrainStep:
     def __call__(
         self, params: optax.Params, opt_state: optax.OptState, batch: Any, *rest: Any
     ) -> tuple[optax.Params, optax.OptState, jax.Array, StepInfo]:
-        if _pytrees.needs_filter(params):
+        if _pytrees.has_non_arrays(params):
             raise TypeError(
                 f"{self._acc.entry}: params holds leaves that are not arrays "
                 f"({type(params).__name__}, e.g. an Equinox module with its activation "
