@@ -92,7 +92,7 @@ for t in range(STEPS):
     key = jax.random.fold_in(root_key, t)  # a new dropout key every step
     if t < 3:  # compute the reference first: the step donates (deletes) the state's arrays
         ref_state, ref_loss = jax.jit(sequential_reference)(state, batch, key)
-    state, loss = step(state, batch, rngs={"dropout": key})
+    state, loss, _ = step(state, batch, rngs={"dropout": key})
     losses.append(float(loss))
     if t < 3:
         # Same micro-batches, keys and statistics: only float32 summation order differs

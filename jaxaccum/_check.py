@@ -99,7 +99,8 @@ def check(
       step: your accumulated ``(params, batch, *rest) -> (loss, grads)``; default
         ``jaxaccum.value_and_grad(loss_fn, **options)``.
       **options: the accumulation options (:class:`jaxaccum.Options`); ``mesh`` also says
-        which devices form the data axes when counting reductions.
+        which devices form the data axes when counting reductions. With ``step`` no count
+        is needed (your step splits the batch itself).
 
     Returns:
       A :class:`CheckReport`; ``report.problems`` says what is wrong and what to do.
@@ -115,6 +116,9 @@ def check(
       >>> print(jaxaccum.check(loss, w, x, step=bad, num_microbatches=4).problems[0][:40])
       the gradient is 4 times the full batch's
     """
+    counts = ("num_microbatches", "microbatch_size", "max_microbatches")
+    if step is not None and not any(options.get(c) is not None for c in counts):
+        options = {**options, "num_microbatches": 1}  # your step splits the batch itself
     opts = _options.parse("jaxaccum.check", options)
     if step is None:
         step = _value_and_grad.value_and_grad(loss_fn, **options)
@@ -130,7 +134,8 @@ def check(
     error, full_error = _rel(got, ref64), _rel(full32, ref64)
     bound = FACTOR * full_error + FLOOR * EPS32
     scale = _scale(got[1], ref64[1])
-    rescaled = _rel(jax.tree.map(lambda g: np.asarray(g, np.float64) / scale, got[1]), ref64[1])
+    rescaled = error if scale == 0 else _rel(
+        jax.tree.map(lambda g: np.asarray(g, np.float64) / scale, got[1]), ref64[1])
     groups = _data_groups(opts)
     red = _hlo.gradient_reductions(hlo, groups) if groups else {"total": 0, "in loops": 0}
     problems = _explain(error, bound, scale, rescaled, red, opts)

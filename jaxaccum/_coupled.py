@@ -18,6 +18,7 @@ the batch (:func:`jaxaccum.per_example_keys`).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -35,9 +36,10 @@ from jaxaccum import (
     _validation,
     _value_and_grad,
 )
+from jaxaccum._records import Result, step_info
 
 
-def _forward(entry: str, fun: Callable[..., Any], options: dict[str, Any], how: str) -> Any:
+def _forward(entry: str, fun: Callable[..., Any], opts: _options.Options, how: str) -> Any:
     """A pass of the pipeline that only evaluates ``fun`` and returns its output combined
     across micro-batches as ``how`` says: the differentiated argument is a scalar placeholder
     (the loss itself), so no parameter gradient is computed or accumulated.
@@ -50,7 +52,8 @@ def _forward(entry: str, fun: Callable[..., Any], options: dict[str, Any], how: 
     def placeholder_loss(zero: jax.Array, params: Any, *args: Any) -> tuple[jax.Array, Any]:
         return zero, fun(params, *args)
 
-    opts = _options.parse(entry, {**options, "has_aux": how})
+    opts = dataclasses.replace(opts, has_aux=how, weighted=False, skip_nonfinite=False,
+                               noise_scale=False)
     acc = _arguments.make(entry, placeholder_loss, opts, argnums=0, batch_argnums=2)
     dp = opts.data_parallel
 
@@ -63,11 +66,34 @@ def _forward(entry: str, fun: Callable[..., Any], options: dict[str, Any], how: 
     return forward
 
 
+# Options the coupled-loss mechanism cannot honour, and why (refused when it is built).
+NOT_COUPLED = {
+    "weighted": "the coupled loss sees the whole batch at once: mask padded examples inside "
+    "the loss",
+    "skip_nonfinite": "a non-finite micro-batch cannot be left out of a loss that couples it "
+    "with every other",
+    "noise_scale": "its gradient is no mean of micro-batch gradients, so there is no "
+    "micro-batch gradient to compare (jaxaccum.value_and_grad, train_step and "
+    "statistics_first offer it)",
+    "max_microbatches": "the representations of the whole batch are computed at once; give "
+    "num_microbatches or microbatch_size (jaxaccum.value_and_grad, train_step and "
+    "statistics_first take a runtime count)",
+}
+
+
+def _refuse(entry: str, options: dict[str, Any]) -> None:
+    for name, why in NOT_COUPLED.items():
+        if options.get(name) not in (None, False):
+            raise TypeError(f"{entry}: {name}= is not taken: {why}")
+
+
 def coupled_value_and_grad(
     encode: Callable[..., Any],
     loss: Callable[..., Any],
+    *,
+    return_info: bool = False,
     **options: Any,
-) -> Callable[..., tuple[Any, Any]]:
+) -> Callable[..., tuple[Any, ...]]:
     """``jax.value_and_grad`` of a loss that couples the whole batch, over k micro-batches.
 
     ``encode(params, microbatch, *rest)`` returns per-example representations (a pytree whose
@@ -82,20 +108,24 @@ def coupled_value_and_grad(
     Args:
       encode: the per-example part of the model.
       loss: the batch-coupled loss on the representations.
+      return_info: also return a :class:`jaxaccum.StepInfo`, as
+        :func:`jaxaccum.value_and_grad` does (its ``weight`` is the micro-batch count, its
+        ``skipped`` 0).
       **options: the accumulation options (:class:`jaxaccum.Options`): ``num_microbatches``
         or ``microbatch_size``, ``accumulator_dtype``, ``mesh``, ``unroll``, and ``has_aux``
         as a bool: ``loss`` returns ``(value, aux)`` and the aux, computed once on the whole
-        batch, comes back as it is. ``weighted`` and ``skip_nonfinite`` are not taken: the
-        coupled loss sees the whole batch at once, so it normalises itself (mask padding
-        inside ``loss``) and a non-finite micro-batch cannot be left out of it.
+        batch, comes back as it is. ``weighted``, ``skip_nonfinite``, ``noise_scale`` and
+        ``max_microbatches`` are not taken: the coupled loss sees the whole batch at once, so
+        it normalises itself (mask padding inside ``loss``), a non-finite micro-batch cannot
+        be left out of it, and its gradient is no mean of micro-batch gradients.
 
     Returns:
       A function ``(params, batch, *rest) -> (loss, grads)``, with ``has_aux=True``
-      ``((loss, aux), grads)``.
+      ``((loss, aux), grads)``; with ``return_info=True`` ``(value, grads, info)``.
 
     Raises:
-      TypeError: an unknown option, ``weighted``/``skip_nonfinite``, or a ``has_aux`` that
-        is not a bool.
+      TypeError: an unknown option, one of the options not taken, or a ``has_aux`` that is
+        not a bool.
 
     Examples:
       >>> import jax, jax.numpy as jnp, jaxaccum
@@ -110,24 +140,37 @@ def coupled_value_and_grad(
       >>> bool(jnp.allclose(full[0], micro[0])), bool(jnp.allclose(full[1], micro[1], atol=1e-6))
       (True, True)
     """
-    entry = "jaxaccum.coupled_value_and_grad"
-    for name in ("weighted", "skip_nonfinite"):
-        if name in options:
-            raise TypeError(
-                f"{entry}: {name}= is not taken: the coupled loss sees the whole batch at once "
-                "(mask padded examples inside the loss; a non-finite micro-batch cannot be "
-                "left out of a loss that couples it with every other)"
-            )
-    has_aux = options.pop("has_aux", False)
+    opts, result = _coupled("jaxaccum.coupled_value_and_grad", encode, loss, options)
+    _value_and_grad.check_return_info("jaxaccum.coupled_value_and_grad", opts, return_info)
+
+    @functools.wraps(loss)
+    def accumulated(params: Any, batch: Any, *rest: Any) -> tuple[Any, ...]:
+        res = result(params, batch, *rest)
+        value = (res.loss, res.aux) if opts.has_aux else res.loss
+        return (value, res.grads, step_info(res)) if return_info else (value, res.grads)
+
+    return accumulated
+
+
+def _coupled(entry: str, encode: Callable[..., Any], loss: Callable[..., Any],
+             options: dict[str, Any]) -> tuple[_options.Options, Callable[..., Result]]:
+    """The options of a coupled loss, parsed once, and its ``(params, batch, *rest) ->
+    Result``: a forward pass for the representations, the loss and its cotangents on the
+    whole batch, and a replay pass pulling each micro-batch's slice back (weighted by its
+    size: the surrogate's gradient is ``size / m`` times the micro-batch's share)."""
+    _refuse(entry, options)
+    has_aux = options.get("has_aux", False)
     if not isinstance(has_aux, bool):
         raise TypeError(
             f"{entry}: has_aux must be a bool (the loss's aux is computed once on the whole "
             f"batch and returned as it is); got {has_aux!r}"
         )
-    pullback = _arguments.make(entry, encode, _options.parse(entry, {**options, "weighted": True}))
-    forward = _forward(entry, encode, options, "concat")
+    opts = _options.parse(entry, options)
+    pullback = _arguments.make(entry, encode, dataclasses.replace(opts, has_aux=False,
+                                                                  weighted=True))
+    forward = _forward(entry, encode, opts, "concat")
 
-    def result(params: Any, batch: Any, *rest: Any) -> _pipeline.Result:
+    def result(params: Any, batch: Any, *rest: Any) -> Result:
         reps = forward(params, batch, *rest)
         value, (direct, cotangents) = jax.value_and_grad(loss, argnums=(0, 1), has_aux=has_aux)(
             params, reps, batch, *rest)
@@ -145,23 +188,20 @@ def coupled_value_and_grad(
                                                                    *rest))
         grads = jax.tree.map(jnp.add, direct, pull.grads)
         value, aux = value if has_aux else (value, None)
-        return _pipeline.Result(value, grads, aux, jnp.ones((), jnp.float32),
-                                jnp.zeros((), jnp.int32), pull.num_microbatches)
+        count = pull.num_microbatches
+        return Result(value, grads, aux, jnp.asarray(count, jnp.float32),
+                      jnp.zeros((), jnp.int32), count)
 
-    @functools.wraps(loss)
-    def accumulated(params: Any, batch: Any, *rest: Any) -> tuple[Any, Any]:
-        res = result(params, batch, *rest)
-        return ((res.loss, res.aux) if has_aux else res.loss), res.grads
-
-    accumulated.result = result  # type: ignore[attr-defined]
-    return accumulated
+    return opts, result
 
 
 def statistics_first(
     stats: Callable[..., Any],
     fun: Callable[..., Any],
+    *,
+    return_info: bool = False,
     **options: Any,
-) -> Callable[..., tuple[Any, Any]]:
+) -> Callable[..., tuple[Any, ...]]:
     """``value_and_grad`` of a loss that needs statistics of the whole batch.
 
     ``stats(params, microbatch, *rest)`` returns the micro-batch's **sums** (expert token
@@ -176,11 +216,15 @@ def statistics_first(
     Args:
       stats: the statistics of one micro-batch, as sums.
       fun: the loss, given the whole batch's totals.
-      **options: the accumulation options (:class:`jaxaccum.Options`), for the loss.
+      return_info: also return a :class:`jaxaccum.StepInfo`, as
+        :func:`jaxaccum.value_and_grad` does.
+      **options: the accumulation options (:class:`jaxaccum.Options`), for the loss; every
+        one is taken.
 
     Returns:
       A function ``(params, batch, *rest) -> (value, grads)`` shaped as
-      :func:`jaxaccum.value_and_grad` shapes it.
+      :func:`jaxaccum.value_and_grad` shapes it (``(value, grads, info)`` with
+      ``return_info=True``).
 
     Examples:
       >>> import jax, jax.numpy as jnp, jaxaccum
@@ -197,27 +241,35 @@ def statistics_first(
       (True, True)
     """
     entry = "jaxaccum.statistics_first"
+    acc, result = _statistics_first(entry, stats, fun, options)
+    _value_and_grad.check_return_info(entry, acc.options, return_info)
+
+    @functools.wraps(fun)
+    def accumulated(params: Any, batch: Any, *rest: Any) -> tuple[Any, ...]:
+        return _value_and_grad.shape_result(acc, result(params, batch, *rest), return_info)
+
+    return accumulated
+
+
+def _statistics_first(entry: str, stats: Callable[..., Any], fun: Callable[..., Any],
+                      options: dict[str, Any]) -> tuple[_arguments.Accumulation,
+                                                        Callable[..., Result]]:
+    """The accumulation of ``fun`` with the totals as argument 2 (options parsed once), and
+    its ``(params, batch, *rest) -> Result``: a forward pass summing ``stats``, then the
+    pipeline with the totals as a constant."""
     opts = _options.parse(entry, options)
-    forward = _forward(entry, stats, {k: v for k, v in options.items()
-                                      if k not in ("has_aux", "weighted", "skip_nonfinite")},
-                       "sum")
+    forward = _forward(entry, stats, opts, "sum")
 
     def with_totals(params: Any, batch: Any, totals: Any, *rest: Any) -> Any:
         return fun(params, batch, jax.lax.stop_gradient(totals), *rest)
 
     acc = _arguments.make(entry, with_totals, opts)
 
-    def result(params: Any, batch: Any, *rest: Any) -> _pipeline.Result:
+    def result(params: Any, batch: Any, *rest: Any) -> Result:
         totals = forward(params, batch, *rest)
         return _value_and_grad.call(acc, (params, batch, totals, *rest))
 
-    @functools.wraps(fun)
-    def accumulated(params: Any, batch: Any, *rest: Any) -> tuple[Any, Any]:
-        res = result(params, batch, *rest)
-        return _value_and_grad.shape_value(acc, res), res.grads
-
-    accumulated.result = result  # type: ignore[attr-defined]
-    return accumulated
+    return acc, result
 
 
 def coupled_train_step(
@@ -256,9 +308,8 @@ def coupled_train_step(
       4
     """
     entry = "jaxaccum.coupled_train_step"
-    fn = coupled_value_and_grad(encode, loss, **options)
-    return _train_step.from_value_and_grad(entry, fn.result, optimizer, donate,  # type: ignore[attr-defined]
-                                           options)
+    opts, result = _coupled(entry, encode, loss, options)
+    return _train_step.from_result(entry, result, optimizer, donate, opts)
 
 
 def statistics_first_train_step(
@@ -284,6 +335,5 @@ def statistics_first_train_step(
       A :class:`jaxaccum.TrainStep`.
     """
     entry = "jaxaccum.statistics_first_train_step"
-    fn = statistics_first(stats, fun, **options)
-    return _train_step.from_value_and_grad(entry, fn.result, optimizer, donate,  # type: ignore[attr-defined]
-                                           options)
+    acc, result = _statistics_first(entry, stats, fun, options)
+    return _train_step.from_result(entry, result, optimizer, donate, acc.options)

@@ -27,7 +27,9 @@ class Microbatches(NamedTuple):
     compiled program serves every ``count`` from 0 to K; micro-batches ``count, ..., K - 1``
     are never evaluated (fill them with anything of the right shape, zeros say). The result is
     the (weighted) mean over the real micro-batches, as if the batch held only them; a step
-    with ``count == 0`` makes no update. On a mesh, shard the micro-batch axis ``m`` (axis 1)
+    with ``count == 0`` makes no update. A count outside ``0..K`` given as a Python, NumPy or
+    jax integer raises a ``ValueError``; a traced one (inside your own ``jax.jit``) cannot be
+    checked and is clipped to ``0..K``. On a mesh, shard the micro-batch axis ``m`` (axis 1)
     over the data axes.
 
     Attributes:
@@ -136,6 +138,7 @@ def unstack(
                 f"{acc.entry}: Microbatches.count must be an integer scalar (the number of "
                 f"real micro-batches, 0..{k}); got {stack.count!r}"
             )
+        check_count(acc.entry, stack.count, k)
         counts.append(jnp.clip(jnp.asarray(stack.count, jnp.int32), 0, k))
         out[i] = jax.tree.map(_strided, stack.data)
     return tuple(out), k, counts[0]
@@ -158,10 +161,25 @@ def restack_aux(acc: Accumulation, aux: Any, k: int) -> Any:
     return jax.tree.unflatten(jax.tree.structure(aux), leaves)
 
 
-def canonical(batch: Any) -> Any:
-    """A :class:`Microbatches` with its count as an int32 jax array (a jitted step compiles
-    anew for a Python int, a NumPy scalar or a jax array of another dtype), so that every
-    count hits the same compiled program; anything else as is."""
+def check_count(entry: str, count: Any, k: int) -> None:
+    """A concrete count must lie in ``0..k`` (a traced one is clipped there)."""
+    if isinstance(count, jax.core.Tracer):
+        return
+    value = int(np.asarray(count))
+    if not 0 <= value <= k:
+        raise ValueError(
+            f"{entry}: Microbatches.count must be between 0 and max_microbatches={k}; got "
+            f"{value} (split the batch over several steps, or build the step with a larger "
+            "max_microbatches)"
+        )
+
+
+def canonical(batch: Any, entry: str, k: int | None) -> Any:
+    """A :class:`Microbatches` with its count checked (``0..k``) and made an int32 jax array
+    (a jitted step compiles anew for a Python int, a NumPy scalar or a jax array of another
+    dtype), so that every count hits the same compiled program; anything else as is."""
     if isinstance(batch, Microbatches) and not isinstance(batch.count, jax.core.Tracer):
+        if k is not None and np.shape(batch.count) == ():
+            check_count(entry, batch.count, k)
         return batch._replace(count=jnp.asarray(batch.count, jnp.int32))
     return batch

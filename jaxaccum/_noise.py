@@ -57,9 +57,12 @@ def squared_norm(tree: Any) -> jax.Array:
 
 def microbatch_term(grads: Any, items: jax.Array, skipped: Any = None) -> jax.Array:
     """``(n |g|^2, n, 1)`` for a micro-batch gradient ``g`` of ``n`` items; zeros if skipped
-    or empty (a weight-0 micro-batch is no sample of the small batch)."""
+    or empty (a weight-0 micro-batch is no sample of the small batch); NaN for an invalid
+    (negative or NaN) count, which poisons the estimates as it poisons the gradient."""
+    items = jnp.where(items >= 0, items, jnp.nan)
     term = jnp.stack([items * squared_norm(grads), items, jnp.ones((), jnp.float32)])
-    keep = items > 0 if skipped is None else jnp.logical_and(items > 0, jnp.logical_not(skipped))
+    keep = items != 0 if skipped is None else jnp.logical_and(items != 0,
+                                                              jnp.logical_not(skipped))
     return jnp.where(keep, term, jnp.zeros_like(term))
 
 

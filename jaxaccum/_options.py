@@ -129,7 +129,12 @@ class Options:
         back into the batch's own order, as the full batch would return them: logits,
         per-example losses); ``"sum"``, ``"mean"``, ``"weighted_mean"`` (by the micro-batch
         weights), ``"max"``, ``"min"``, ``"last"``; or a pytree prefix of the aux with those
-        names as leaves, e.g. ``{"logits": "concat", "tokens": "sum"}``.
+        names as leaves, e.g. ``{"logits": "concat", "tokens": "sum"}``. The reductions run
+        over the micro-batches kept (a micro-batch skipped by ``skip_nonfinite`` adds nothing;
+        0 for a mean over none); ``"stack"`` and ``"concat"`` hold every evaluated
+        micro-batch's values. Floating sums and means are computed and returned in at least
+        float32, integer sums in the leaf's dtype, integer means in float32; ``"max"``,
+        ``"min"``, ``"last"``, ``"stack"`` and ``"concat"`` keep the leaf's dtype.
       weighted: ``fun`` returns ``(loss, weight)`` (with aux ``((loss, weight), aux)``): the
         mean over the micro-batch's valid items and their count; the result is the exact mean
         over all valid items of the batch.
@@ -142,10 +147,12 @@ class Options:
         :class:`DataParallel` naming the data axes, the FSDP choice and parameter shardings.
       noise_scale: also estimate the gradient noise scale (McCandlish et al. 2018, appendix
         A) from the micro-batch gradients' squared norms (each device's own, before the one
-        reduction) and the step's gradient: a :class:`jaxaccum.NoiseScale` per step, for a
-        few flops per parameter per micro-batch. With ``weighted`` the items are what the
-        weights count (tokens). At least 2 micro-batches over all devices; one device or Auto
-        mesh axes.
+        reduction) and the step's gradient: a :class:`jaxaccum.NoiseScale` in
+        ``StepInfo.noise_scale`` (steps always return the info; a ``value_and_grad`` needs
+        ``return_info=True``), for a few flops per parameter per micro-batch. With
+        ``weighted`` the items are what the weights count (tokens); skipped and empty
+        micro-batches are no samples. At least 2 micro-batches over all devices; one device
+        or Auto mesh axes.
       unroll: passed to the micro-batch loop's ``jax.lax.scan`` (default 1: a rolled loop).
         Unrolling a few iterations cuts loop overhead when micro-batches are tiny (gist MLP,
         k=64: unroll=16 1.31 ms against 1.72 ms rolled), at the price of compile time and of
@@ -190,7 +197,7 @@ class Options:
         return self.weighted or self.skip_nonfinite or self.max_microbatches is not None
 
 
-def _check_bool(entry: str, name: str, value: Any) -> None:
+def check_bool(entry: str, name: str, value: Any) -> None:
     if not isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{entry}: {name} must be a bool; got {value!r}")
 
@@ -213,9 +220,9 @@ def parse(entry: str, options: dict[str, Any]) -> Options:
     out = Options(**options)
     _validation.exactly_one_count(out.num_microbatches, out.microbatch_size, entry,
                                   out.max_microbatches)
-    _check_bool(entry, "weighted", out.weighted)
-    _check_bool(entry, "skip_nonfinite", out.skip_nonfinite)
-    _check_bool(entry, "noise_scale", out.noise_scale)
+    check_bool(entry, "weighted", out.weighted)
+    check_bool(entry, "skip_nonfinite", out.skip_nonfinite)
+    check_bool(entry, "noise_scale", out.noise_scale)
     if not (isinstance(out.unroll, (bool, np.bool_))
             or isinstance(out.unroll, (int, np.integer)) and out.unroll >= 1):
         raise TypeError(f"{entry}: unroll must be an int >= 1 or a bool; got {out.unroll!r}")

@@ -10,73 +10,17 @@ what they add around :func:`run`.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
 
 from jaxaccum import _conv_layout, _microbatches, _noise, _reductions, _validation
 from jaxaccum._arguments import Accumulation
+from jaxaccum._records import Result, Shapes, Sums
 
 if TYPE_CHECKING:
     from jaxaccum._placement import Placement
-
-
-class Sums(NamedTuple):
-    """What one device accumulates before the final division.
-
-    Attributes:
-      loss: the sum over micro-batches of ``weight_i * loss_i`` (unweighted: ``weight_i = 1``).
-      grads: the matching sum of gradients, in the accumulator dtype.
-      weight: float32, the sum of the weights (unweighted: the number of micro-batches).
-      skipped: int32, micro-batches left out for a non-finite loss or gradient.
-      carry: the carried arguments' current values (a tuple, one per carried argument).
-      aux: one accumulator per aux leaf (None where the leaf is stacked by the scan).
-      sq_norms: with ``noise_scale``, float32 ``(sum_i n_i |g_i|^2, sum_i n_i, m)`` over the
-        ``m`` micro-batches: each gradient's squared norm (each device's own, before any
-        reduction) times its number of items ``n_i`` (examples; with ``weighted``, its weight).
-    """
-
-    loss: jax.Array
-    grads: Any
-    weight: jax.Array
-    skipped: jax.Array
-    carry: Any = ()
-    aux: Any = None
-    sq_norms: Any = None
-
-
-class Result(NamedTuple):
-    """What :func:`run` returns, before a front end shapes it.
-
-    Attributes:
-      loss: the (weighted) mean loss over the batch, in the loss's dtype.
-      grads: its gradient, with the dtypes of the differentiated arguments.
-      aux: the aux value combined across micro-batches as ``has_aux`` says (None without).
-      weight: float32 scalar, the total weight (unweighted: the micro-batches kept).
-      skipped: int32 scalar, micro-batches left out by ``skip_nonfinite``.
-      num_microbatches: the micro-batches evaluated (a Python int; on an Auto mesh, k per
-        device times the data-parallel devices; an int32 array with ``max_microbatches``).
-      carry: the carried arguments' final values (a tuple), ``()`` without them.
-      noise: with ``noise_scale``, a :class:`jaxaccum.NoiseScale` (inside the placement:
-        the reduced sum of the micro-batch gradients' squared norms).
-    """
-
-    loss: jax.Array
-    grads: Any
-    aux: Any
-    weight: jax.Array
-    skipped: jax.Array
-    num_microbatches: Any
-    carry: Any = ()
-    noise: Any = None
-
-
-class Shapes(NamedTuple):
-    """The abstract output of ``fun`` on one micro-batch: ``loss`` and ``aux`` (shape, dtype)."""
-
-    loss: Any
-    aux: Any
 
 
 # --- split --------------------------------------------------------------------------------------
@@ -250,7 +194,8 @@ def finalize(
     acc: Accumulation, sums: Sums, ys: Any, args: tuple[Any, ...], out: Shapes, count: Any
 ) -> tuple[jax.Array, Any, Any]:
     """Divides the (reduced) sums by the total weight once, casts the gradients to their
-    arguments' dtypes, and finishes the aux leaves (``count`` micro-batches)."""
+    arguments' dtypes, and finishes the aux leaves (``count`` micro-batches evaluated, of
+    which the skipped ones are left out of every reduced aux)."""
     if acc.options.divides_safely:
         loss = _reductions.safe_divide(sums.loss, sums.weight)
         grads = _reductions.safe_divide(sums.grads, sums.weight)
@@ -261,7 +206,8 @@ def finalize(
     aux = None
     if acc.options.aux_spec is not None:
         plan = _reductions.aux_plan(acc.entry, acc.options.aux_spec, out.aux)
-        leaves = [r.finalize(y if r.stacked else a, sums.weight, count)
+        kept = count - sums.skipped  # skipped micro-batches add nothing to a reduced aux
+        leaves = [r.finalize(y if r.stacked else a, sums.weight, kept)
                   for r, a, y in zip(plan, sums.aux, ys, strict=True)]
         aux = jax.tree.unflatten(jax.tree.structure(out.aux), leaves)
     return loss.astype(out.loss.dtype), grads, aux

@@ -4,6 +4,7 @@ end (an NNX module, a linen ``TrainState``)."""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from typing import Any
 
@@ -43,10 +44,11 @@ def check_parameters(entry: str, tree: Any, what: str) -> None:
         )
 
 
+ARRAYS = (jax.Array, np.ndarray, np.generic, jax.ShapeDtypeStruct)  # what a jit can take
+
+
 def _is_inexact_array(x: Any) -> bool:
-    return isinstance(x, (jax.Array, np.ndarray, np.generic)) and jnp.issubdtype(
-        x.dtype, jnp.inexact
-    )
+    return isinstance(x, ARRAYS) and jnp.issubdtype(x.dtype, jnp.inexact)
 
 
 def needs_filter(tree: Any) -> bool:
@@ -59,7 +61,7 @@ def has_non_arrays(tree: Any) -> bool:
     """Whether ``tree`` holds leaves a jitted function cannot take as arguments (functions,
     activation objects); an Equinox module already partitioned (None there) holds none."""
     return any(
-        not isinstance(x, (jax.Array, np.ndarray, np.generic, int, float, complex, bool))
+        not isinstance(x, (*ARRAYS, int, float, complex, bool))
         for x in jax.tree.leaves(tree)
     )
 
@@ -77,3 +79,31 @@ def combine(arrays: Any, static: Any) -> Any:
     return jax.tree.map(
         lambda a, s: s if a is None else a, arrays, static, is_leaf=lambda x: x is None
     )
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Static:
+    """The static part of partitioned parameters, hashable for ``jax.jit``'s static arguments:
+    equal when its structure and leaves are (functions compare by identity)."""
+
+    tree: Any
+    key: tuple[Any, ...]
+
+    @classmethod
+    def of(cls, entry: str, tree: Any) -> Static:
+        leaves, treedef = jax.tree.flatten(tree)
+        try:
+            hash(tuple(leaves))
+        except TypeError:
+            raise TypeError(
+                f"{entry}: params holds leaves that are neither floating arrays nor hashable "
+                f"({type(tree).__name__}: integer arrays, say), which a jitted step cannot "
+                "take; pass eqx.filter(model, eqx.is_inexact_array) and close over the rest"
+            ) from None
+        return cls(tree, (treedef, *leaves))
+
+    def __hash__(self) -> int:
+        return hash(self.key)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Static) and self.key == other.key

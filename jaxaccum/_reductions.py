@@ -147,8 +147,8 @@ class AuxReduction(NamedTuple):
       update: ``(accumulator, value, weight) -> accumulator``.
       combine: ``(accumulator, axes) -> accumulator`` across data-parallel devices (inside a
         ``shard_map`` manual over ``axes``).
-      finalize: ``(accumulator or stacked values, total weight, count) -> value``; ``count`` is
-        the number of micro-batches.
+      finalize: ``(accumulator or stacked values, total weight, kept) -> value``; ``kept`` is
+        the number of micro-batches evaluated and not skipped (0 gives 0 for a mean).
     """
 
     stacked: bool
@@ -219,7 +219,7 @@ AUX_REDUCTIONS: dict[str, AuxReduction] = {
         lambda shape, dtype: jnp.zeros(shape, jnp.promote_types(dtype, jnp.float32)),
         lambda acc, x, w: acc + x.astype(acc.dtype),
         jax.lax.psum,
-        lambda acc, total, count: acc / count,
+        lambda acc, total, kept: safe_divide(acc, jnp.asarray(kept, acc.dtype)),
     ),
     "weighted_mean": AuxReduction(
         False,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import optax
@@ -14,36 +14,13 @@ from jaxaccum import (
     _arguments,
     _microbatches,
     _options,
-    _pipeline,
     _pytrees,
     _reductions,
     _value_and_grad,
 )
+from jaxaccum._records import Result, StepInfo, step_info
 
 ENTRY = "jaxaccum.train_step"
-
-
-class StepInfo(NamedTuple):
-    """What a :func:`train_step` call reports besides the loss.
-
-    Attributes:
-      aux: the aux value combined as ``has_aux`` says (None without aux).
-      skipped: int32 scalar, micro-batches left out by ``skip_nonfinite``.
-      weight: float32 scalar, the step's total weight (0: no update was made).
-      num_microbatches: the micro-batches evaluated (on an Auto mesh summed over the data-
-        parallel devices: k per device times their number).
-      carry: the carried arguments' final values (one value, a tuple for several), ``()``
-        without ``carry_argnums``.
-      noise_scale: with the ``noise_scale`` option, the step's :class:`jaxaccum.NoiseScale`
-        estimates; None without.
-    """
-
-    aux: Any
-    skipped: jax.Array
-    weight: jax.Array
-    num_microbatches: Any
-    carry: Any = ()
-    noise_scale: Any = None
 
 
 def _sharding_of(x: Any) -> Any:
@@ -56,7 +33,7 @@ def apply_step(
     optimizer: optax.GradientTransformation,
     params: optax.Params,
     opt_state: optax.OptState,
-    res: _pipeline.Result,
+    res: Result,
     may_be_empty: bool,
     donated: bool = True,
 ) -> tuple[optax.Params, optax.OptState]:
@@ -88,7 +65,7 @@ class TrainStep:
         acc: _arguments.Accumulation,
         optimizer: optax.GradientTransformation,
         donate: bool,
-        gradient: Callable[[tuple[Any, ...], Any], _pipeline.Result] | None = None,
+        gradient: Callable[[tuple[Any, ...], Any], Result] | None = None,
     ) -> None:
         self._acc = acc
         # (arguments of loss_fn, their shardings read before tracing) -> the accumulated result
@@ -104,9 +81,11 @@ class TrainStep:
         arg_hints = None if hints is None else (hints[0], *hints[2:])
 
         def step(
-            params: optax.Params, opt_state: optax.OptState, batch: Any, *rest: Any
+            static: _pytrees.Static | None, params: optax.Params, opt_state: optax.OptState,
+            batch: Any, *rest: Any
         ) -> tuple[Any, ...]:
-            res = self._gradient((params, batch, *rest), arg_hints)
+            whole = params if static is None else _pytrees.combine(params, static.tree)
+            res = self._gradient((whole, batch, *rest), arg_hints)
             new_params, new_state = apply_step(
                 optimizer, params, opt_state, res, acc.options.divides_safely, self._donate
             )
@@ -118,13 +97,12 @@ class TrainStep:
                     is_leaf=lambda s: s is None or isinstance(s, NamedSharding),
                 )
             carry = _value_and_grad.carried_value(acc, res.carry) if acc.carry else ()
-            info = StepInfo(res.aux, res.skipped, res.weight, res.num_microbatches, carry,
-                            res.noise)
-            return new_params, new_state, res.loss, info
+            return new_params, new_state, res.loss, step_info(res, carry)
 
-        # loss_fn's argument i >= 2 is the step's argument i + 1 (opt_state comes second)
-        donated = (0, 1, *(i + 1 for i in acc.carry)) if self._donate else ()
-        return jax.jit(step, donate_argnums=donated)
+        # loss_fn's argument i >= 2 is the step's argument i + 1 (opt_state comes second), and
+        # the step's argument j is the jitted function's j + 1 (the static part comes first)
+        donated = (1, 2, *(i + 2 for i in acc.carry)) if self._donate else ()
+        return jax.jit(step, static_argnums=0, donate_argnums=donated)
 
     def _jitted(self, args: tuple[Any, ...]) -> Any:
         hints = None
@@ -136,32 +114,39 @@ class TrainStep:
             self._compiled[cache_key] = self._step_fn(hints)
         return self._compiled[cache_key]
 
+    def _arguments(self, params: Any, opt_state: Any, batch: Any, rest: tuple[Any, ...]) -> tuple[
+            _pytrees.Static | None, tuple[Any, ...]]:
+        """An Equinox module (or any parameters holding leaves that are no arrays) is split
+        as ``eqx.filter_jit`` does: its inexact arrays are the step's argument, the rest is
+        static (one program per distinct static part); a runtime count made int32."""
+        static = None
+        if _pytrees.needs_filter(params):
+            params, static_tree = _pytrees.partition(params)
+            static = _pytrees.Static.of(self._acc.entry, static_tree)
+        return static, (params, opt_state, _microbatches.canonical(batch, self._acc.entry,
+                                                 self._acc.options.max_microbatches), *rest)
+
     def __call__(
         self, params: optax.Params, opt_state: optax.OptState, batch: Any, *rest: Any
     ) -> tuple[optax.Params, optax.OptState, jax.Array, StepInfo]:
-        if _pytrees.has_non_arrays(params):
-            raise TypeError(
-                f"{self._acc.entry}: params holds leaves that are not arrays "
-                f"({type(params).__name__}, e.g. an Equinox module with its activation "
-                "functions), which a jitted step "
-                "cannot take as an argument; split it: params, static = eqx.partition(model, "
-                "eqx.is_inexact_array), close over static in loss_fn (eqx.combine(params, "
-                "static)), and pass params; or use jaxaccum.value_and_grad inside eqx.filter_jit"
-            )
-        batch = _microbatches.canonical(batch)
-        args = (params, opt_state, batch, *rest)
+        static, args = self._arguments(params, opt_state, batch, rest)
         with mesh_context(self._acc.options):
-            return self._jitted(args)(*args)  # type: ignore[no-any-return]
+            new_params, *out = self._jitted(args)(static, *args)
+        if static is not None:
+            new_params = _pytrees.combine(new_params, static.tree)
+        return (new_params, *out)  # type: ignore[return-value]
 
     def lower(self, *args: Any) -> Any:
         """``jax.jit(...).lower`` of the step for these arguments (arrays or shape structs)."""
+        static, args = self._arguments(args[0], args[1], args[2], args[3:])
         with mesh_context(self._acc.options):
-            return self._jitted(args).lower(*args)
+            return self._jitted(args).lower(static, *args)
 
     def trace(self, *args: Any) -> Any:
         """``jax.jit(...).trace`` of the step for these arguments."""
+        static, args = self._arguments(args[0], args[1], args[2], args[3:])
         with mesh_context(self._acc.options):
-            return self._jitted(args).trace(*args)
+            return self._jitted(args).trace(static, *args)
 
     @property
     def num_programs(self) -> int:
@@ -173,23 +158,27 @@ class TrainStep:
         return sum(f._cache_size() for f in self._compiled.values())
 
 
-def from_value_and_grad(
+def from_result(
     entry: str,
-    result: Callable[..., _pipeline.Result],
+    result: Callable[..., Result],
     optimizer: optax.GradientTransformation,
     donate: bool,
-    options: dict[str, Any],
+    options: _options.Options,
 ) -> TrainStep:
     """A :class:`TrainStep` around an accumulated ``(params, batch, *rest) -> Result`` (the
     coupled-loss mechanisms): the step's gradient comes from ``result``, not the pipeline."""
+    check_optimizer(entry, optimizer)
+    acc = _arguments.make(entry, result, options)
+    return TrainStep(acc, optimizer, donate, lambda args, hints: result(*args))
+
+
+def check_optimizer(entry: str, optimizer: Any) -> None:
+    """Refuses an optimizer that is no optax transform."""
     if not isinstance(optimizer, optax.GradientTransformation):
         raise TypeError(
             f"{entry}: optimizer must be an optax.GradientTransformation; got "
             f"{type(optimizer).__name__}"
         )
-    opts = _options.parse(entry, options)
-    acc = _arguments.make(entry, result, opts)
-    return TrainStep(acc, optimizer, donate, lambda args, hints: result(*args))
 
 
 def mesh_context(options: _options.Options) -> Any:
@@ -254,11 +243,7 @@ def train_step(
       >>> print(value, w, info.num_microbatches)
       1.0 [0.2 0.2 0.2] 2
     """
-    if not isinstance(optimizer, optax.GradientTransformation):
-        raise TypeError(
-            f"{ENTRY}: optimizer must be an optax.GradientTransformation; got "
-            f"{type(optimizer).__name__}"
-        )
+    check_optimizer(ENTRY, optimizer)
     acc = _arguments.make(ENTRY, loss_fn, _options.parse(ENTRY, options),
                           carry_argnums=carry_argnums)
     if any(i < 2 for i in acc.carry):

@@ -8,17 +8,41 @@ from typing import Any
 
 from jaxaccum import _arguments, _options, _pipeline, _placement, _pytrees
 from jaxaccum._arguments import Accumulation
+from jaxaccum._records import Result, step_info
 
 ENTRY = "jaxaccum.value_and_grad"
 
 
-def shape_value(acc: Accumulation, res: _pipeline.Result, with_carry: bool = True) -> Any:
+def shape_value(acc: Accumulation, res: Result, with_carry: bool = True) -> Any:
     """The value as ``jax.value_and_grad`` shapes it: the loss, or ``(loss, aux)``; with
     carried arguments (and ``with_carry``) ``(that, carried)``."""
     value = res.loss if acc.options.aux_spec is None else (res.loss, res.aux)
     if acc.carry and with_carry:
         return value, carried_value(acc, res.carry)
     return value
+
+
+def check_return_info(entry: str, options: _options.Options, return_info: Any) -> None:
+    """``return_info`` is a bool; ``noise_scale`` is reported only in the info, so it needs it
+    (never computed and dropped)."""
+    _options.check_bool(entry, "return_info", return_info)
+    if options.noise_scale and not return_info:
+        raise TypeError(
+            f"{entry}: noise_scale=True is reported in the jaxaccum.StepInfo that a "
+            "value_and_grad returns with return_info=True; build it with return_info=True and "
+            "read value, grads, info = ...; info.noise_scale"
+        )
+
+
+def shape_result(acc: Accumulation, res: Result, return_info: bool,
+                 with_carry: bool = True) -> tuple[Any, ...]:
+    """What every ``value_and_grad`` returns: ``(value, grads)``, with ``return_info``
+    ``(value, grads, info)``, ``info`` a :class:`jaxaccum.StepInfo`."""
+    value = shape_value(acc, res, with_carry)
+    if not return_info:
+        return value, res.grads
+    carry = carried_value(acc, res.carry) if acc.carry and with_carry else ()
+    return value, res.grads, step_info(res, carry)
 
 
 def carried_value(acc: Accumulation, carry: tuple[Any, ...]) -> Any:
@@ -47,7 +71,7 @@ def filtered(acc: Accumulation, args: tuple[Any, ...]) -> tuple[Accumulation, tu
     return acc.with_fun(with_static), _arguments.replace(args, acc.diff, [p for p, _ in parts])
 
 
-def call(acc: Accumulation, args: tuple[Any, ...], hints: Any = None) -> _pipeline.Result:
+def call(acc: Accumulation, args: tuple[Any, ...], hints: Any = None) -> Result:
     """One accumulated call of ``acc`` on positional ``args``: what every front end runs.
 
     ``hints`` are argument shardings read before tracing (Auto meshes); without them those
@@ -66,6 +90,7 @@ def value_and_grad(
     argnums: int | tuple[int, ...] = 0,
     batch_argnums: int | tuple[int, ...] = 1,
     carry_argnums: int | tuple[int, ...] = (),
+    return_info: bool = False,
     **options: Any,
 ) -> Callable[..., tuple[Any, ...]]:
     """Like ``jax.value_and_grad``, but the batch is processed as k micro-batches in one scan.
@@ -94,20 +119,24 @@ def value_and_grad(
         new values, in the order of ``carry_argnums``, for several), each with the structure,
         shapes and dtypes it came in with. With ``skip_nonfinite`` a skipped micro-batch's
         update is dropped. On a mesh its axes must be Explicit.
+      return_info: also return a :class:`jaxaccum.StepInfo` (the skipped count, the total
+        weight, the micro-batches evaluated, the noise scale, ...), as the steps do.
       **options: the accumulation options, as :class:`jaxaccum.Options` documents them:
-        ``num_microbatches`` or ``microbatch_size`` (exactly one), ``has_aux``, ``weighted``,
-        ``skip_nonfinite``, ``accumulator_dtype``, ``mesh``.
+        ``num_microbatches``, ``microbatch_size`` or ``max_microbatches`` (exactly one),
+        ``has_aux``, ``weighted``, ``skip_nonfinite``, ``accumulator_dtype``, ``mesh``,
+        ``noise_scale`` (with ``return_info=True``), ``unroll``.
 
     Returns:
       A function with the signature of ``fun`` returning ``(value, grads)``: ``value`` is the
       loss, or ``(loss, aux)`` with ``has_aux``; with ``carry_argnums`` ``(that, carried)``.
-      With ``noise_scale=True`` ``(value, grads, noise)``, ``noise`` a
-      :class:`jaxaccum.NoiseScale`.
+      With ``return_info=True`` ``(value, grads, info)``. No other option changes this shape.
 
     Raises:
       TypeError: an unknown option (the message says what replaced a removed one), a count
         that is not an int, ``fun``'s output of the wrong structure, an NNX module or a
         ``TrainState`` as a differentiated argument (the message names the front end to use).
+      TypeError: ``noise_scale=True`` without ``return_info=True`` (the estimate lives in
+        the info).
       ValueError: both or neither count, a count < 1; at trace time, k not dividing the batch
         size (per device on a mesh), batch leaves of different leading sizes, a loss or weight
         that is not a scalar.
@@ -129,13 +158,11 @@ def value_and_grad(
         ENTRY, fun, _options.parse(ENTRY, options), argnums=argnums,
         batch_argnums=batch_argnums, carry_argnums=carry_argnums,
     )
+    check_return_info(ENTRY, acc.options, return_info)
 
     @functools.wraps(fun)
     def accumulated(*args: Any, **kwargs: Any) -> tuple[Any, ...]:
         bound = acc.bind(args, kwargs)
-        res = call(bound, args)
-        if acc.options.noise_scale:
-            return shape_value(bound, res), res.grads, res.noise
-        return shape_value(bound, res), res.grads
+        return shape_result(bound, call(bound, args), return_info)
 
     return accumulated

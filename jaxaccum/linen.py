@@ -4,7 +4,7 @@ Duck-typed, flax is not imported: a "train state" is any object with ``params``,
 ``opt_state``, ``tx``, ``step`` and a ``replace(**fields)`` method, such as
 ``flax.training.train_state.TrainState`` and subclasses with a ``batch_stats`` field.
 
-- :func:`train_step`: one jitted step ``(state, batch, *rest) -> (state, value)`` over k
+- :func:`train_step`: one jitted step ``(state, batch, *rest) -> (state, loss, info)`` over k
   micro-batches, threading ``state.batch_stats`` (if present) through them.
 - :func:`apply_gradients`: ``TrainState.apply_gradients`` for ``tx = jaxaccum.multi_steps(...)``
   (or ``optax.MultiSteps``): it passes ``weight=`` on to the transform and counts optimizer
@@ -21,8 +21,9 @@ import jax.numpy as jnp
 import optax
 from jax.typing import ArrayLike
 
-from jaxaccum import _arguments, _options, _reductions, _train_step, _value_and_grad
+from jaxaccum import _arguments, _microbatches, _options, _reductions, _train_step, _value_and_grad
 from jaxaccum._multi_steps import MultiStepsState
+from jaxaccum._records import StepInfo, step_info
 
 OVERWRITE_WITH_GRADIENT = "_overwrite_with_gradient"  # flax.training.train_state's name
 
@@ -126,11 +127,11 @@ def train_step(
     *,
     donate: bool = True,
     **options: Any,
-) -> Callable[..., tuple[Any, Any]]:
+) -> Callable[..., tuple[Any, Any, StepInfo]]:
     """One jitted ``TrainState`` step over a batch split into k micro-batches.
 
-    ``step = train_step(loss_fn, num_microbatches=k)``; ``state, value = step(state, batch,
-    *rest, rngs=None)``. Without a ``batch_stats`` field (or with ``state.batch_stats is
+    ``step = train_step(loss_fn, num_microbatches=k)``; ``state, loss, info = step(state,
+    batch, *rest, rngs=None)``. Without a ``batch_stats`` field (or with ``state.batch_stats is
     None``), ``loss_fn(params, batch, *rest)`` returns the mean loss as for
     :func:`jaxaccum.value_and_grad`. With one, ``loss_fn(params, batch, batch_stats, *rest)``
     returns ``(loss, new_batch_stats)`` (``((loss, aux), new_batch_stats)`` with ``has_aux``),
@@ -156,8 +157,8 @@ def train_step(
       **options: the accumulation options (:class:`jaxaccum.Options`).
 
     Returns:
-      ``step(state, batch, *rest, rngs=None) -> (state, value)``; ``value`` is the loss, or
-      ``(loss, aux)`` with ``has_aux``.
+      ``step(state, batch, *rest, rngs=None) -> (state, loss, info)``, ``info`` a
+      :class:`jaxaccum.StepInfo` (the aux in ``info.aux``), as every step returns.
 
     Examples:
       >>> import jax.numpy as jnp, optax, jaxaccum.linen
@@ -168,21 +169,15 @@ def train_step(
       >>> state = train_state.TrainState.create(
       ...     apply_fn=None, params=jnp.zeros(3), tx=optax.sgd(0.1))
       >>> step = jaxaccum.linen.train_step(loss_fn, num_microbatches=4)
-      >>> state, loss = step(state, (jnp.ones((8, 3)), jnp.ones(8)))
-      >>> int(state.step), float(loss)
-      (1, 1.0)
+      >>> state, loss, info = step(state, (jnp.ones((8, 3)), jnp.ones(8)))
+      >>> int(state.step), float(loss), int(info.num_microbatches)
+      (1, 1.0, 4)
     """
     entry = "jaxaccum.linen.train_step"
     opts = _options.parse(entry, options)
     _arguments.make(entry, loss_fn, opts)  # checks now
-    if opts.noise_scale:
-        raise TypeError(
-            f"{entry}: noise_scale= is not taken by the TrainState step; compute the gradient "
-            "with jaxaccum.value_and_grad(..., noise_scale=True) and call "
-            "state.apply_gradients(grads=grads) yourself"
-        )
 
-    def step(state: Any, batch: Any, *rest: Any, rngs: Any = None) -> tuple[Any, Any]:
+    def step(state: Any, batch: Any, *rest: Any, rngs: Any = None) -> tuple[Any, Any, StepInfo]:
         stats = getattr(state, "batch_stats", None)
         args: list[Any] = [state.params, batch, *([] if stats is None else [stats]), *rest]
         carry = [] if stats is None else [2]
@@ -202,11 +197,13 @@ def train_step(
             new = _reductions.step_unless_empty(res.weight, update, state, donated=donate)
         else:
             new = update(state)
-        return new, _value_and_grad.shape_value(acc, res, with_carry=False)
+        return new, res.loss, step_info(res)
 
     jitted = jax.jit(step, donate_argnums=(0,) if donate else ())
 
-    def run(state: Any, batch: Any, *rest: Any, rngs: Any = None) -> tuple[Any, Any]:
+    def run(state: Any, batch: Any, *rest: Any, rngs: Any = None) -> tuple[Any, Any, StepInfo]:
+        # one program for every count
+        batch = _microbatches.canonical(batch, entry, opts.max_microbatches)
         with _train_step.mesh_context(opts):
             return jitted(state, batch, *rest, rngs=rngs)  # type: ignore[no-any-return]
 

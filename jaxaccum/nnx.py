@@ -28,9 +28,10 @@ from jaxaccum import (
     _microbatches,
     _options,
     _reductions,
+    _train_step,
     _value_and_grad,
 )
-from jaxaccum._pipeline import Result
+from jaxaccum._records import Result, StepInfo, step_info
 
 
 def _in_model(path: tuple[Any, ...], _: Any) -> bool:
@@ -136,6 +137,7 @@ def value_and_grad(
     *,
     wrt: Any = nnx.Param,
     batch_argnums: int | tuple[int, ...] = 1,
+    return_info: bool = False,
     **options: Any,
 ) -> Callable[..., tuple[Any, ...]]:
     """``nnx.value_and_grad`` over a batch split into k micro-batches (one ``lax.scan``).
@@ -169,14 +171,15 @@ def value_and_grad(
       wrt: the ``nnx`` filter of the variables to differentiate (as ``nnx.Optimizer``'s
         ``wrt``); they must be floating.
       batch_argnums: positions in ``loss_fn``'s arguments (>= 1) of the batch arguments.
-      **options: the accumulation options (:class:`jaxaccum.Options`): ``num_microbatches``
-        or ``microbatch_size``, ``has_aux``, ``weighted``, ``skip_nonfinite``,
-        ``accumulator_dtype``, ``mesh`` (carried state needs Explicit axes).
+      return_info: also return a :class:`jaxaccum.StepInfo`, as
+        :func:`jaxaccum.value_and_grad` does.
+      **options: the accumulation options (:class:`jaxaccum.Options`); carried state needs
+        Explicit mesh axes.
 
     Returns:
       A function ``(model, batch, *rest, **kwargs) -> (value, grads)`` that updates
       ``model``'s non-``wrt`` variables in place; ``value`` is the loss or ``(loss, aux)``.
-      With ``noise_scale=True`` ``(value, grads, noise)`` (a :class:`jaxaccum.NoiseScale`).
+      With ``return_info=True`` ``(value, grads, info)``.
 
     Raises:
       ValueError, TypeError: as :func:`jaxaccum.value_and_grad`; ``TypeError`` if argument 0
@@ -202,13 +205,13 @@ def value_and_grad(
     """
     entry = "jaxaccum.nnx.value_and_grad"
     opts, split = _check_options(entry, batch_argnums, options)
+    _value_and_grad.check_return_info(entry, opts, return_info)
 
     @functools.wraps(loss_fn)
     def accumulated(model: nnx.Module, *args: Any, **kwargs: Any) -> tuple[Any, ...]:
         acc, res, write_back = accumulate(entry, loss_fn, opts, split, wrt, model, args, kwargs)
         write_back()
-        value = _value_and_grad.shape_value(acc, res, with_carry=False)
-        return (value, res.grads, res.noise) if acc.options.noise_scale else (value, res.grads)
+        return _value_and_grad.shape_result(acc, res, return_info, with_carry=False)
 
     return accumulated
 
@@ -223,7 +226,7 @@ def train_step(
 ) -> Callable[..., Any]:
     """One ``nnx.jit`` optimizer step over a batch split into micro-batches.
 
-    ``step = train_step(loss_fn, num_microbatches=k)``; ``loss = step(model, optimizer,
+    ``step = train_step(loss_fn, num_microbatches=k)``; ``loss, info = step(model, optimizer,
     batch, *rest)`` computes the loss and gradients of ``loss_fn(model, batch, *rest)`` as
     :func:`value_and_grad` does (the module's other variables carried through the micro-batches
     and written back), then calls ``optimizer.update(model, grads)`` (an ``nnx.Optimizer``):
@@ -244,9 +247,9 @@ def train_step(
       **options: the accumulation options (:class:`jaxaccum.Options`).
 
     Returns:
-      ``step(model, optimizer, batch, *rest, **kwargs) -> value``: the loss, or ``(loss,
-      aux)`` with ``has_aux``; with ``noise_scale=True`` ``(value, noise)`` (a
-      :class:`jaxaccum.NoiseScale`).
+      ``step(model, optimizer, batch, *rest, **kwargs) -> (loss, info)``, ``info`` a
+      :class:`jaxaccum.StepInfo` (the aux in ``info.aux``), as every step returns. On a mesh
+      with Explicit axes the step sets the mesh itself, as :func:`jaxaccum.train_step` does.
 
     Examples:
       >>> import jax.numpy as jnp, optax
@@ -258,15 +261,15 @@ def train_step(
       ...     x, y = batch
       ...     return jnp.mean((model(x)[:, 0] - y) ** 2)
       >>> step = jaxaccum.nnx.train_step(loss_fn, num_microbatches=4)
-      >>> loss = step(model, optimizer, (jnp.ones((8, 3)), jnp.zeros(8)))
-      >>> int(optimizer.step[...])
-      1
+      >>> loss, info = step(model, optimizer, (jnp.ones((8, 3)), jnp.zeros(8)))
+      >>> int(optimizer.step[...]), int(info.num_microbatches)
+      (1, 4)
     """
     entry = "jaxaccum.nnx.train_step"
     opts, split = _check_options(entry, batch_argnums, options)
 
     def step(model: nnx.Module, optimizer: nnx.Optimizer, args: tuple[Any, ...],
-             kwargs: dict[str, Any]) -> Any:
+             kwargs: dict[str, Any]) -> tuple[Any, StepInfo]:
         if not isinstance(optimizer, nnx.Optimizer):
             raise TypeError(
                 f"{entry}: argument 1 of the step must be an nnx.Optimizer; got "
@@ -290,15 +293,17 @@ def train_step(
                                                            donated=donate))
         else:
             nnx.update(both, update(before))
-        value = _value_and_grad.shape_value(acc, res, with_carry=False)
-        return (value, res.noise) if acc.options.noise_scale else value
+        return res.loss, step_info(res)
 
     jitted = nnx.jit(step, donate_argnums=(0, 1) if donate else None)
 
     @functools.wraps(loss_fn)
-    def run(model: nnx.Module, optimizer: nnx.Optimizer, *args: Any, **kwargs: Any) -> Any:
-        args = tuple(_microbatches.canonical(a) for a in args)  # one program for every count
-        return jitted(model, optimizer, args, kwargs)  # keywords travel as one dict
+    def run(model: nnx.Module, optimizer: nnx.Optimizer, *args: Any,
+            **kwargs: Any) -> tuple[Any, StepInfo]:
+        # one program for every count
+        args = tuple(_microbatches.canonical(a, entry, opts.max_microbatches) for a in args)
+        with _train_step.mesh_context(opts):
+            return jitted(model, optimizer, args, kwargs)  # type: ignore[no-any-return]
 
     return run
 

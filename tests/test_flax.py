@@ -49,7 +49,7 @@ def readme_nnx_example(batches):
     optimizer = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
     step = jaxaccum.nnx.train_step(loss_fn, num_microbatches=4)
     for batch in batches:  # each batch: 4 micro-batches
-        loss = step(model, optimizer, batch)
+        loss, _ = step(model, optimizer, batch)
     return model, loss
 
 
@@ -274,7 +274,8 @@ def test_readme_own_step_equals_train_step(mnist):
     models = [CNN(nnx.Rngs(0)) for _ in range(2)]
     optimizers = [nnx.Optimizer(m, optax.adam(1e-3), wrt=nnx.Param) for m in models]
     own = train_step(models[0], optimizers[0], batch)
-    ours = jaxaccum.nnx.train_step(loss_fn, num_microbatches=4)(models[1], optimizers[1], batch)
+    ours, _ = jaxaccum.nnx.train_step(loss_fn, num_microbatches=4)(models[1], optimizers[1],
+                                                                   batch)
     assert float(own) == float(ours)
     assert max_rel_diff(arrays(models[0], optimizers[0]), arrays(models[1], optimizers[1])) == 0
 
@@ -290,8 +291,8 @@ def test_nnx_step_with_zero_total_weight_changes_nothing(mnist):
     optimizer = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
     step = jaxaccum.nnx.train_step(weighted_loss, num_microbatches=4, weighted=True)
     before = arrays(model, optimizer)
-    loss = step(model, optimizer, (x, y, jnp.zeros(16)))
-    assert float(loss) == 0.0
+    loss, info = step(model, optimizer, (x, y, jnp.zeros(16)))
+    assert float(loss) == 0.0 and float(info.weight) == 0.0
     assert max_rel_diff(arrays(model, optimizer), before) == 0.0
     step(model, optimizer, (x, y, jnp.ones(16)))
     assert int(optimizer.step[...]) == 1 and rng_count(model) == 4
@@ -370,7 +371,7 @@ def readme_linen_example(batch):
     state = TrainState.create(apply_fn=mlp.apply, params=variables["params"],
                               batch_stats=variables["batch_stats"], tx=optax.sgd(0.1))
     step = jaxaccum.linen.train_step(linen_loss_fn, num_microbatches=4)
-    state, loss = step(state, batch)  # donates state; threads state.batch_stats if present
+    state, loss, _ = step(state, batch)  # donates state; threads state.batch_stats if present
     return state, loss
 
 
@@ -432,11 +433,11 @@ def linen_trajectory(data, k=None, dtype=jnp.float32):
     state = new_state(optax.sgd(0.1, momentum=0.9), dtype)
     if k is None:
         step = jax.jit(lambda state, batch: (state.apply_gradients(grads=grad_fn(
-            state.params, batch, state.batch_stats)), None))
+            state.params, batch, state.batch_stats)), None, None))
     else:
         step = jaxaccum.linen.train_step(eval_mode_loss, num_microbatches=k)
     for batch in data:
-        state, _ = step(state, (batch[0].astype(dtype), batch[1]))
+        state, _, _ = step(state, (batch[0].astype(dtype), batch[1]))
     return jax.tree.map(lambda x: np.asarray(x, np.float64), state.params)
 
 

@@ -143,7 +143,7 @@ def test_linen_dropout_draws_each_microbatch_masks_as_sequential_apply_calls():
 
     key = jax.random.key(7)
     step = jaxaccum.linen.train_step(loss_fn, num_microbatches=k, donate=False)
-    new, loss = step(state, (x, y), rngs={"dropout": key})
+    new, loss, _ = step(state, (x, y), rngs={"dropout": key})
 
     grads, losses = [], []  # k sequential apply calls with keys fold_in(key, i)
     for i in range(k):
@@ -188,7 +188,7 @@ def test_nnx_step_passes_keywords_and_carries_graph_nodes_given_by_keyword():
     model, rngs = Noisy(), nnx.Rngs(dropout=3)
     optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
     step = jaxaccum.nnx.train_step(noisy_loss, num_microbatches=k)
-    loss = step(model, optimizer, (x, y), rngs=rngs, scale=2.0)
+    loss, _ = step(model, optimizer, (x, y), rngs=rngs, scale=2.0)
 
     ref_model, ref_rngs = Noisy(), nnx.Rngs(dropout=3)
     grads, losses = None, []
@@ -320,8 +320,8 @@ def test_nnx_step_with_every_microbatch_skipped_changes_nothing(donate):
     before = np.array(model.kernel[...])
     step = jaxaccum.nnx.train_step(_linear_loss, num_microbatches=4, skip_nonfinite=True,
                                    donate=donate)
-    loss = step(model, optimizer, (x * jnp.nan, y))
-    assert float(loss) == 0.0 and int(optimizer.step[...]) == 0
+    loss, info = step(model, optimizer, (x * jnp.nan, y))
+    assert float(loss) == 0.0 and int(optimizer.step[...]) == 0 and int(info.skipped) == 4
     np.testing.assert_array_equal(model.kernel[...], before)
     step(model, optimizer, (x, y))
     assert int(optimizer.step[...]) == 1 and not np.array_equal(model.kernel[...], before)
@@ -360,7 +360,7 @@ def test_linen_step_with_zero_total_weight_changes_nothing():
     for donate in (False, True):
         step = jaxaccum.linen.train_step(loss_fn, num_microbatches=4, weighted=True,
                                          donate=donate)
-        new, loss = step(state if not donate else jax.tree.map(jnp.copy, state),
+        new, loss, _ = step(state if not donate else jax.tree.map(jnp.copy, state),
                          (x, y, jnp.zeros(16)))
         assert int(new.step) == 0 and float(loss) == 0.0
         np.testing.assert_array_equal(new.params, state.params)

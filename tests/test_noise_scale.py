@@ -15,6 +15,9 @@ import jaxaccum
 
 D, SIGMA = 16, 1.0
 
+# a value_and_grad reports the noise scale in the StepInfo it returns with return_info
+NOISE = {"noise_scale": True, "return_info": True}
+
 
 def least_squares(w, batch):
     x, y = batch
@@ -32,8 +35,9 @@ def test_estimates_are_the_papers_formulas_on_the_microbatch_gradients():
     params = mlp_params(jax.random.key(0))
     batch = random_batch(jax.random.key(1), 64)
     k = 8
-    (_, grads, noise) = jax.jit(jaxaccum.value_and_grad(mse_loss, num_microbatches=k,
-                                                        noise_scale=True))(params, batch)
+    (_, grads, info) = jax.jit(jaxaccum.value_and_grad(mse_loss, num_microbatches=k,
+                                                        **NOISE))(params, batch)
+    noise = info.noise_scale
     sq = lambda t: sum(float(np.sum(np.asarray(x, np.float64) ** 2))  # noqa: E731
                        for x in jax.tree.leaves(t))
     small = [jax.grad(mse_loss)(params, jax.tree.map(lambda a, i=i: a[i::k], batch))
@@ -61,10 +65,11 @@ def test_least_squares_estimate_within_10_percent_of_the_exact_noise_scale():
     delta = delta / jnp.linalg.norm(delta)  # |d| = 1
     w = w_star + delta
     trace = (D + 1) * 1.0 + D * SIGMA**2  # |d|^2 = 1
-    fn = jax.jit(jaxaccum.value_and_grad(least_squares, num_microbatches=8, noise_scale=True))
+    fn = jax.jit(jaxaccum.value_and_grad(least_squares, num_microbatches=8, **NOISE))
     traces, norms = [], []
     for step in range(50):
-        _, _, noise = fn(w, least_squares_batch(jax.random.key(100 + step), 512, w_star))
+        _, _, noise_info = fn(w, least_squares_batch(jax.random.key(100 + step), 512, w_star))
+        noise = noise_info.noise_scale
         traces.append(float(noise.trace))
         norms.append(float(noise.gradient_sq))
     assert np.mean(norms) == pytest.approx(1.0, rel=0.1)  # |G|^2 = |d|^2 = 1
@@ -90,11 +95,12 @@ def test_weighted_microbatches_of_different_sizes_estimate_the_same_truth():
         return 0.5 * jnp.sum(jnp.where(v, (x @ w - y) ** 2, 0.0)) / jnp.maximum(n, 1), n
 
     fn = jax.jit(jaxaccum.value_and_grad(weighted_ls, num_microbatches=k, weighted=True,
-                                         noise_scale=True))
+                                         **NOISE))
     traces, norms = [], []
     for step in range(50):
         x, y = least_squares_batch(jax.random.key(300 + step), k * m, w_star)
-        _, grads, noise = fn(w, (x, y, valid))
+        _, grads, noise_info = fn(w, (x, y, valid))
+        noise = noise_info.noise_scale
         traces.append(float(noise.trace))
         norms.append(float(noise.gradient_sq))
     assert float(noise.big_batch) == 288.0 and float(noise.small_batch) == 36.0
@@ -116,11 +122,12 @@ def test_train_step_reports_the_noise_scale_and_refuses_what_it_cannot_measure()
     step = jaxaccum.train_step(mse_loss, optax.sgd(0.1), num_microbatches=4, noise_scale=True,
                                donate=False)
     _, _, _, info = step(params, optax.sgd(0.1).init(params), batch)
-    _, _, noise = jaxaccum.value_and_grad(mse_loss, num_microbatches=4, noise_scale=True)(
+    _, _, noise_info = jaxaccum.value_and_grad(mse_loss, num_microbatches=4, **NOISE)(
         params, batch)
+    noise = noise_info.noise_scale
     assert float(info.noise_scale.trace) == pytest.approx(float(noise.trace), rel=1e-5)
     with pytest.raises(ValueError, match="needs at least 2 micro-batches"):
-        jaxaccum.value_and_grad(mse_loss, num_microbatches=1, noise_scale=True)(params, batch)
+        jaxaccum.value_and_grad(mse_loss, num_microbatches=1, **NOISE)(params, batch)
     with pytest.raises(TypeError, match="noise_scale must be a bool"):
         jaxaccum.value_and_grad(mse_loss, num_microbatches=4, noise_scale=1)
 
@@ -130,16 +137,19 @@ def test_traced_count_noise_scale_counts_only_real_microbatches():
     w = jnp.ones(D) / 4
     x, y = least_squares_batch(jax.random.key(6), 6 * 32, w_star)
     stack = (x.reshape(6, 32, D), y.reshape(6, 32))
-    fn = jax.jit(jaxaccum.value_and_grad(least_squares, max_microbatches=6, noise_scale=True))
-    plain = jax.jit(jaxaccum.value_and_grad(least_squares, num_microbatches=4, noise_scale=True))
-    _, _, got = fn(w, jaxaccum.Microbatches(stack, 4))
+    fn = jax.jit(jaxaccum.value_and_grad(least_squares, max_microbatches=6, **NOISE))
+    plain = jax.jit(jaxaccum.value_and_grad(least_squares, num_microbatches=4, **NOISE))
+    _, _, got_info = fn(w, jaxaccum.Microbatches(stack, 4))
+    got = got_info.noise_scale
     # the same 4 micro-batches, as jaxaccum's strided split of their concatenation sees them
     flat = jax.tree.map(lambda a: jnp.swapaxes(a[:4], 0, 1).reshape(-1, *a.shape[2:]), stack)
-    _, _, want = plain(w, flat)
+    _, _, want_info = plain(w, flat)
+    want = want_info.noise_scale
     assert float(got.big_batch) == 128.0
     assert float(got.trace) == pytest.approx(float(want.trace), rel=1e-5)
     assert float(got.gradient_sq) == pytest.approx(float(want.gradient_sq), rel=1e-5)
-    _, _, one = fn(w, jaxaccum.Microbatches(stack, 1))  # nothing to compare: NaN, not inf
+    _, _, one_info = fn(w, jaxaccum.Microbatches(stack, 1))  # nothing to compare: NaN, not inf
+    one = one_info.noise_scale
     assert np.isnan(float(one.trace)) and np.isnan(float(one.simple))
 
 
@@ -171,12 +181,13 @@ def test_mnist_mlp_estimate_within_20_percent_of_per_example_gradients(mnist):
     g_sq = mean_sq - trace / n
     truth = trace / g_sq
 
-    fn = jax.jit(jaxaccum.value_and_grad(loss, num_microbatches=8, noise_scale=True))
+    fn = jax.jit(jaxaccum.value_and_grad(loss, num_microbatches=8, **NOISE))
     rng = np.random.default_rng(0)
     traces, norms = [], []
     for _ in range(50):
         idx = rng.choice(n, 512, replace=False)
-        _, _, noise = fn(params, (images[idx], labels[idx]))
+        _, _, noise_info = fn(params, (images[idx], labels[idx]))
+        noise = noise_info.noise_scale
         traces.append(float(noise.trace))
         norms.append(float(noise.gradient_sq))
     assert np.mean(traces) / np.mean(norms) == pytest.approx(truth, rel=0.2)
@@ -187,12 +198,12 @@ def test_noise_scale_refuses_explicit_axes_and_per_microbatch_fsdp():
     batch = random_batch(jax.random.key(8), 32)
     explicit = jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
     with jax.set_mesh(explicit), pytest.raises(ValueError, match="not available on a mesh whose"):
-        jaxaccum.value_and_grad(mse_loss, num_microbatches=4, noise_scale=True,
+        jaxaccum.value_and_grad(mse_loss, num_microbatches=4, **NOISE,
                                 mesh=explicit)(params, batch)
     auto = jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
     fsdp = jaxaccum.DataParallel(auto, fsdp="microbatch")
     with pytest.raises(ValueError, match="fsdp='microbatch'.*use fsdp='step'"):
-        jaxaccum.value_and_grad(mse_loss, num_microbatches=4, noise_scale=True,
+        jaxaccum.value_and_grad(mse_loss, num_microbatches=4, **NOISE,
                                 mesh=fsdp)(params, batch)
 
 
@@ -207,10 +218,11 @@ def test_nnx_steps_return_the_noise_scale():
     def loss(m, b):
         return jnp.mean((m(b[0]) - b[1]) ** 2)
 
-    _, _, noise = nnx.jit(jaxaccum.nnx.value_and_grad(loss, num_microbatches=4,
-                                                      noise_scale=True))(model, (x, y))
+    _, _, noise = nnx.jit(jaxaccum.nnx.value_and_grad(loss, num_microbatches=4, **NOISE))(
+        model, (x, y))
     opt = nnx.Optimizer(model, optax.sgd(0.0), wrt=nnx.Param)
-    _, from_step = jaxaccum.nnx.train_step(loss, num_microbatches=4, noise_scale=True)(
+    _, step_info = jaxaccum.nnx.train_step(loss, num_microbatches=4, noise_scale=True)(
         model, opt, (x, y))
+    from_step, noise = step_info.noise_scale, noise.noise_scale
     assert float(from_step.trace) == pytest.approx(float(noise.trace), rel=1e-5)
     assert float(noise.big_batch) == 32.0 and float(noise.small_batch) == 8.0

@@ -168,13 +168,3 @@ def test_python_numpy_and_jax_counts_share_one_program():
     for count in (2, np.int64(3), jnp.int32(4), np.int32(1)):
         params, state, _, info = step(params, state, jaxaccum.Microbatches((x, y), count))
     assert step.num_programs == 1 and int(info.num_microbatches) == 1
-
-
-def test_train_step_names_the_split_for_an_equinox_module():
-    eqx = pytest.importorskip("equinox")
-    model = eqx.nn.MLP(8, 4, 16, 1, key=jax.random.key(0))
-    opt = optax.sgd(0.1)
-    step = jaxaccum.train_step(lambda m, b: jnp.mean((jax.vmap(m)(b[0]) - b[1]) ** 2), opt,
-                               num_microbatches=2)
-    with pytest.raises(TypeError, match="params holds leaves that are not arrays .*eqx.partition"):
-        step(model, opt.init(eqx.filter(model, eqx.is_array)), stack_data()[:2])

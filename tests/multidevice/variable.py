@@ -61,15 +61,18 @@ def noise_per_device(params: dict[str, Any], stack: Any) -> dict[str, float]:
     examples): the estimate equals one device's on 32 micro-batches of 4 examples that are
     those shares."""
     mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
-    fn = jax.jit(jaxaccum.value_and_grad(loss, max_microbatches=K, mesh=mesh, noise_scale=True))
+    fn = jax.jit(jaxaccum.value_and_grad(loss, max_microbatches=K, mesh=mesh, noise_scale=True,
+                                         return_info=True))
     with jax.set_mesh(mesh):
         s = jax.device_put(stack, NamedSharding(mesh, P(None, "data")))
         _, _, got = fn(jax.device_put(params, NamedSharding(mesh, P())),
                        jaxaccum.Microbatches(s, K))
     # device d holds examples [4d, 4d + 4) of every micro-batch: 32 small batches of 4
     shares = jax.tree.map(lambda a: a.reshape(K * 8, 4, *a.shape[2:]), stack)
-    plain = jax.jit(jaxaccum.value_and_grad(loss, max_microbatches=K * 8, noise_scale=True))
+    plain = jax.jit(jaxaccum.value_and_grad(loss, max_microbatches=K * 8, noise_scale=True,
+                                            return_info=True))
     _, _, want = plain(params, jaxaccum.Microbatches(shares, K * 8))
+    got, want = got.noise_scale, want.noise_scale
     return {"small": float(got.small_batch), "big": float(got.big_batch),
             "trace": float(got.trace), "trace_want": float(want.trace),
             "gradient_sq": float(got.gradient_sq), "gradient_sq_want": float(want.gradient_sq)}

@@ -1,0 +1,114 @@
+"""The records every front end shares: what the pipeline accumulates (:class:`Sums`), what it
+returns (:class:`Result`), and the one report every entry point gives (:class:`StepInfo`).
+
+The contract: every step returns its loss and a :class:`StepInfo`; every ``value_and_grad``
+returns jax's ``(value, grads)`` and, with ``return_info=True``, ``(value, grads, info)``, the
+same :class:`StepInfo`. No option changes these shapes.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+
+class Sums(NamedTuple):
+    """What one device accumulates before the final division.
+
+    Attributes:
+      loss: the sum over micro-batches of ``weight_i * loss_i`` (unweighted: ``weight_i = 1``).
+      grads: the matching sum of gradients, in the accumulator dtype.
+      weight: float32, the sum of the weights (unweighted: the number of micro-batches).
+      skipped: int32, micro-batches left out for a non-finite loss or gradient.
+      carry: the carried arguments' current values (a tuple, one per carried argument).
+      aux: one accumulator per aux leaf (None where the leaf is stacked by the scan).
+      sq_norms: with ``noise_scale``, float32 ``(sum_i n_i |g_i|^2, sum_i n_i, m)`` over the
+        ``m`` micro-batches: each gradient's squared norm (each device's own, before any
+        reduction) times its number of items ``n_i`` (examples; with ``weighted``, its weight).
+    """
+
+    loss: jax.Array
+    grads: Any
+    weight: jax.Array
+    skipped: jax.Array
+    carry: Any = ()
+    aux: Any = None
+    sq_norms: Any = None
+
+
+class Result(NamedTuple):
+    """What :func:`run` returns, before a front end shapes it.
+
+    Attributes:
+      loss: the (weighted) mean loss over the batch, in the loss's dtype.
+      grads: its gradient, with the dtypes of the differentiated arguments.
+      aux: the aux value combined across micro-batches as ``has_aux`` says (None without).
+      weight: float32 scalar, the total weight (unweighted: the micro-batches kept).
+      skipped: int32 scalar, micro-batches left out by ``skip_nonfinite``.
+      num_microbatches: the micro-batches evaluated (a Python int; on an Auto mesh, k per
+        device times the data-parallel devices; an int32 array with ``max_microbatches``).
+      carry: the carried arguments' final values (a tuple), ``()`` without them.
+      noise: with ``noise_scale``, a :class:`jaxaccum.NoiseScale` (inside the placement:
+        the reduced sum of the micro-batch gradients' squared norms).
+    """
+
+    loss: jax.Array
+    grads: Any
+    aux: Any
+    weight: jax.Array
+    skipped: jax.Array
+    num_microbatches: Any
+    carry: Any = ()
+    noise: Any = None
+
+
+class Shapes(NamedTuple):
+    """The abstract output of ``fun`` on one micro-batch: ``loss`` and ``aux`` (shape, dtype)."""
+
+    loss: Any
+    aux: Any
+
+
+class StepInfo(NamedTuple):
+    """What every entry point reports besides its loss (and gradients): one record, one shape.
+
+    Every step (:func:`jaxaccum.train_step`, the coupled and statistics-first steps,
+    ``jaxaccum.nnx.train_step``, ``jaxaccum.linen.train_step``) returns one; every
+    ``value_and_grad`` returns one when built with ``return_info=True``. Options fill fields,
+    they never change the shape.
+
+    Attributes:
+      aux: the aux value combined as ``has_aux`` says (None without aux).
+      skipped: int32 scalar, micro-batches left out by ``skip_nonfinite`` (over all devices).
+      weight: float32 scalar, the total weight the mean was taken over: with ``weighted`` the
+        sum of the kept micro-batches' weights (e.g. tokens), else the number of micro-batches
+        kept. 0 means the step made no update.
+      num_microbatches: int32 scalar, the micro-batches evaluated (on an Auto mesh summed over
+        the data-parallel devices: k per device times their number; with
+        ``max_microbatches`` the runtime count).
+      carry: the carried arguments' final values (one value, a tuple for several), ``()``
+        without ``carry_argnums``.
+      noise_scale: with the ``noise_scale`` option, the step's :class:`jaxaccum.NoiseScale`
+        estimates; None without.
+    """
+
+    aux: Any
+    skipped: jax.Array
+    weight: jax.Array
+    num_microbatches: jax.Array
+    carry: Any = ()
+    noise_scale: Any = None
+
+
+def step_info(res: Result, carry: Any = ()) -> StepInfo:
+    """The :class:`StepInfo` of a pipeline :class:`Result` (``carry`` shaped for the caller)."""
+    return StepInfo(
+        aux=res.aux,
+        skipped=jnp.asarray(res.skipped, jnp.int32),
+        weight=jnp.asarray(res.weight, jnp.float32),
+        num_microbatches=jnp.asarray(res.num_microbatches, jnp.int32),
+        carry=carry,
+        noise_scale=res.noise,
+    )

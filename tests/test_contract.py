@@ -1,0 +1,299 @@
+"""One contract for every front end: the same facts, reported the same way.
+
+Every step returns its loss and a ``jaxaccum.StepInfo``; every ``value_and_grad`` returns jax's
+``(value, grads)`` and ``(value, grads, info)`` with ``return_info=True``; no option changes a
+shape; an option an entry point cannot honour is refused when it is built; one program per
+count in every step; the mesh set by every step; Equinox modules whole wherever the docs say;
+out-of-range counts refused. The numbers themselves are the reference model's business
+(``test_reference.py``); this file holds the shapes, the refusals and the promises around them.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from flax.training import train_state
+
+import jaxaccum
+import jaxaccum.linen
+import jaxaccum.nnx
+
+
+def loss(w, batch):
+    x, y = batch
+    return jnp.mean((x @ w - y) ** 2)
+
+
+def batch(n=8, seed=0):
+    rng = np.random.default_rng(seed)
+    return (jnp.asarray(rng.normal(size=(n, 3)), jnp.float32),
+            jnp.asarray(rng.normal(size=(n,)), jnp.float32))
+
+
+W = np.asarray([0.3, -0.2, 0.5], np.float32)  # NumPy: a donating step copies it
+
+
+def nnx_loss(model, b):
+    return loss(model.w[...], b)
+
+
+class Linear(nnx.Module):
+    def __init__(self):
+        self.w = nnx.Param(jnp.asarray(W))
+
+
+def all_steps(**options):
+    """Every step, each called once on the same batch: name -> (loss, info)."""
+    sgd = optax.sgd(0.1)
+    out = {}
+    _, _, value, info = jaxaccum.train_step(loss, sgd, **options)(W, sgd.init(W), batch())
+    out["train_step"] = value, info
+    model = Linear()
+    out["nnx.train_step"] = jaxaccum.nnx.train_step(nnx_loss, **options)(
+        model, nnx.Optimizer(model, sgd, wrt=nnx.Param), batch())
+    state = train_state.TrainState.create(apply_fn=None, params=W, tx=sgd)
+    _, value, info = jaxaccum.linen.train_step(loss, **options)(state, batch())
+    out["linen.train_step"] = value, info
+    return out
+
+
+@pytest.mark.parametrize("options", [{}, {"noise_scale": True}, {"skip_nonfinite": True}])
+def test_every_step_returns_its_loss_and_one_step_info(options):
+    results = all_steps(num_microbatches=4, **options)
+    full = float(loss(W, batch()))
+    for name, (value, info) in results.items():
+        assert jnp.shape(value) == () and float(value) == pytest.approx(full, rel=1e-5), name
+        assert isinstance(info, jaxaccum.StepInfo), name
+        assert int(info.num_microbatches) == 4 and int(info.skipped) == 0, name
+        assert float(info.weight) == 4.0, name
+        assert (info.noise_scale is not None) == bool(options.get("noise_scale")), name
+
+
+VALUE_AND_GRADS = {
+    "jaxaccum.value_and_grad": lambda **o: jaxaccum.value_and_grad(loss, **o),
+    "jaxaccum.statistics_first": lambda **o: jaxaccum.statistics_first(
+        lambda w, b: {"n": jnp.float32(b[0].shape[0])}, lambda w, b, t: loss(w, b), **o),
+    "jaxaccum.coupled_value_and_grad": lambda **o: jaxaccum.coupled_value_and_grad(
+        lambda w, b: b[0] @ w - b[1], lambda w, r, b: jnp.mean(r**2), **o),
+}
+
+
+@pytest.mark.parametrize("name", list(VALUE_AND_GRADS))
+def test_every_value_and_grad_keeps_jax_shape_and_adds_the_info_when_asked(name):
+    make = VALUE_AND_GRADS[name]
+    full = jax.value_and_grad(loss)(W, batch())
+    plain = jax.jit(make(num_microbatches=4))(W, batch())
+    assert len(plain) == 2
+    value, grads, info = jax.jit(make(num_microbatches=4, return_info=True))(W, batch())
+    np.testing.assert_allclose(value, full[0], rtol=1e-5)
+    np.testing.assert_allclose(grads, full[1], rtol=1e-5, atol=1e-6)
+    assert isinstance(info, jaxaccum.StepInfo)
+    assert int(info.num_microbatches) == 4 and int(info.skipped) == 0
+    assert float(info.weight) == 4.0 and info.weight.dtype == jnp.float32
+
+
+def test_nnx_value_and_grad_adds_the_info_when_asked():
+    value, grads, info = nnx.jit(jaxaccum.nnx.value_and_grad(
+        nnx_loss, num_microbatches=4, return_info=True))(Linear(), batch())
+    assert isinstance(info, jaxaccum.StepInfo) and int(info.num_microbatches) == 4
+    np.testing.assert_allclose(grads["w"][...], jax.grad(loss)(W, batch()), rtol=1e-5)
+
+
+@pytest.mark.parametrize("make", [
+    lambda **o: jaxaccum.value_and_grad(loss, **o),
+    lambda **o: jaxaccum.nnx.value_and_grad(nnx_loss, **o),
+    lambda **o: jaxaccum.statistics_first(lambda w, b: {}, lambda w, b, t: loss(w, b), **o),
+])
+def test_noise_scale_without_return_info_is_refused_when_built(make):
+    with pytest.raises(TypeError, match="return_info=True"):
+        make(num_microbatches=4, noise_scale=True)
+
+
+@pytest.mark.parametrize("option", [{"noise_scale": True}, {"max_microbatches": 4},
+                                    {"weighted": True}, {"skip_nonfinite": True}])
+@pytest.mark.parametrize("make", [
+    lambda **o: jaxaccum.coupled_value_and_grad(lambda w, b: b, lambda w, r, b: 0.0, **o),
+    lambda **o: jaxaccum.coupled_train_step(lambda w, b: b, lambda w, r, b: 0.0,
+                                            optax.sgd(0.1), **o),
+])
+def test_coupled_losses_refuse_what_they_cannot_honour_when_built(make, option):
+    counts = {} if "max_microbatches" in option else {"num_microbatches": 4}
+    with pytest.raises(TypeError, match=f"{next(iter(option))}= is not taken"):
+        make(**counts, **option)
+
+
+def counting_sgd():
+    """SGD whose update counts its traces: once per compiled step program."""
+    sgd, traces = optax.sgd(0.1), []
+
+    def update(updates, state, params=None):
+        traces.append(1)
+        return sgd.update(updates, state, params)
+
+    return optax.GradientTransformation(sgd.init, update), traces
+
+
+def test_every_step_compiles_one_program_for_every_kind_of_count():
+    k, m = 4, 2
+    x, y = batch(k * m)
+    stack = (x.reshape(k, m, 3), y.reshape(k, m))
+    counts = [2, np.int32(3), np.int64(1), jnp.asarray(4), jnp.asarray(0)]
+    for name in ("train_step", "nnx.train_step", "linen.train_step"):
+        opt, traces = counting_sgd()
+        if name == "nnx.train_step":
+            step = jaxaccum.nnx.train_step(nnx_loss, max_microbatches=k)
+            model = Linear()
+            optimizer = nnx.Optimizer(model, opt, wrt=nnx.Param)
+            for c in counts:
+                step(model, optimizer, jaxaccum.Microbatches(stack, c))
+        elif name == "train_step":
+            step = jaxaccum.train_step(loss, opt, max_microbatches=k)
+            params, state = jnp.asarray(W), opt.init(jnp.asarray(W))
+            for c in counts:
+                params, state, _, _ = step(params, state, jaxaccum.Microbatches(stack, c))
+        else:
+            step = jaxaccum.linen.train_step(loss, max_microbatches=k)
+            state = train_state.TrainState.create(apply_fn=None, params=jnp.asarray(W), tx=opt)
+            for c in counts:
+                state, _, _ = step(state, jaxaccum.Microbatches(stack, c))
+        assert len(traces) == 1, (name, len(traces))
+
+
+@pytest.mark.parametrize("count", [5, 9, -1])
+def test_a_concrete_count_outside_0_to_k_is_refused(count):
+    stack = (jnp.ones((4, 2, 3)), jnp.ones((4, 2)))
+    sgd = optax.sgd(0.1)
+    with pytest.raises(ValueError, match="between 0 and max_microbatches=4"):
+        jaxaccum.value_and_grad(loss, max_microbatches=4)(W, jaxaccum.Microbatches(stack, count))
+    with pytest.raises(ValueError, match="between 0 and max_microbatches=4"):
+        jaxaccum.train_step(loss, sgd, max_microbatches=4)(
+            W, sgd.init(W), jaxaccum.Microbatches(stack, count))
+
+
+def test_a_traced_count_outside_0_to_k_is_clipped_as_documented():
+    rng = np.random.default_rng(1)
+    stack = (jnp.asarray(rng.normal(size=(4, 2, 3)), jnp.float32),
+             jnp.asarray(rng.normal(size=(4, 2)), jnp.float32))
+    fn = jax.jit(lambda w, s, c: jaxaccum.value_and_grad(loss, max_microbatches=4)(
+        w, jaxaccum.Microbatches(s, c)))
+    all_four = fn(W, stack, 4)
+    np.testing.assert_array_equal(fn(W, stack, 9)[1], all_four[1])
+    assert float(fn(W, stack, -1)[0]) == 0.0
+
+
+def test_an_equinox_module_passes_whole_to_train_step_and_value_and_grad():
+    model = eqx.nn.MLP(3, 1, 8, 2, key=jax.random.key(0))
+
+    def eqx_loss(m, b):
+        return jnp.mean((jax.vmap(m)(b[0])[:, 0] - b[1]) ** 2)
+
+    opt = optax.sgd(0.1)
+    step = jaxaccum.train_step(eqx_loss, opt, num_microbatches=4)
+    state = opt.init(eqx.filter(model, eqx.is_array))
+    full = eqx.filter_value_and_grad(eqx_loss)(model, batch())
+    want = eqx.apply_updates(model, jax.tree.map(lambda g: -0.1 * g, full[1]))
+    want = jax.tree.map(np.asarray, eqx.filter(want, eqx.is_array))  # the step donates model
+    new, state, value, info = step(model, state, batch())
+    assert isinstance(new, eqx.nn.MLP) and int(info.num_microbatches) == 4
+    np.testing.assert_allclose(value, full[0], rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(eqx.filter(new, eqx.is_array)), jax.tree.leaves(want),
+                    strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    new, state, _, _ = step(new, state, batch(seed=1))  # the same program again
+    assert step.num_programs == 1
+
+
+def test_every_step_sets_an_explicit_mesh_itself():
+    mesh = jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+    sgd = optax.sgd(0.1)
+    out = {}
+    _, _, out["train_step"], _ = jaxaccum.train_step(loss, sgd, num_microbatches=4, mesh=mesh)(
+        W, sgd.init(W), batch())
+    model = Linear()
+    out["nnx"], _ = jaxaccum.nnx.train_step(nnx_loss, num_microbatches=4, mesh=mesh)(
+        model, nnx.Optimizer(model, sgd, wrt=nnx.Param), batch())
+    state = train_state.TrainState.create(apply_fn=None, params=W, tx=sgd)
+    _, out["linen"], _ = jaxaccum.linen.train_step(loss, num_microbatches=4, mesh=mesh)(
+        state, batch())
+    full = float(loss(W, batch()))
+    for name, value in out.items():
+        assert float(value) == pytest.approx(full, rel=1e-5), name
+
+
+def test_check_takes_a_step_without_a_count_and_a_zero_gradient_quietly():
+    step = jaxaccum.value_and_grad(loss, num_microbatches=4)
+    report = jaxaccum.check(loss, W, batch(), step=step)
+    assert report.ok, report.problems
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        zero = jaxaccum.check(lambda w, b: jnp.sum(w) * 0.0, W, batch(), num_microbatches=4)
+    assert zero.ok, zero.problems
+
+
+def test_check_compares_the_loss_too():
+    def wrong_loss(w, b):  # the right gradient, the loss off by 1
+        value, grads = jaxaccum.value_and_grad(loss, num_microbatches=4)(w, b)
+        return value + 1.0, grads
+
+    report = jaxaccum.check(loss, W, batch(), step=wrong_loss)
+    assert not report.ok and report.error > 0.1
+
+
+def test_concat_on_an_aux_leaf_that_is_not_per_example_is_refused():
+    with pytest.raises(ValueError, match="per-example values back in batch order"):
+        jaxaccum.value_and_grad(lambda w, b: (loss(w, b), jnp.sum(b[1])), num_microbatches=4,
+                                has_aux="concat")(W, batch())
+    with pytest.raises(ValueError, match="per-example values back in batch order"):
+        jaxaccum.nnx.value_and_grad(lambda m, b: (nnx_loss(m, b), jnp.sum(b[1])),
+                                    num_microbatches=4, has_aux="concat")(Linear(), batch())
+
+
+def test_carry_argnums_overlapping_argnums_or_the_batch_is_refused():
+    with pytest.raises(ValueError, match="carry_argnums=0 overlaps"):
+        jaxaccum.value_and_grad(loss, num_microbatches=2, carry_argnums=0)
+    with pytest.raises(ValueError, match="carry_argnums=1 overlaps"):
+        jaxaccum.value_and_grad(loss, num_microbatches=2, carry_argnums=1)
+
+
+def test_the_float32_accumulator_default_keeps_bf16_gradients_within_one_rounding():
+    """bf16 parameters, 64 micro-batches: each micro-batch gradient is a bf16 value; summed
+    in float32 (the default) the mean rounds once to bf16, so it is within one bf16 rounding
+    of the float64 mean of those same micro-batch gradients. Summing in bf16 (``None``) rounds
+    64 times and is documented to do so."""
+    k = 64
+    rng = np.random.default_rng(3)
+    x = rng.uniform(0.5, 1.5, size=(k, 8)).astype(np.float32)
+    w = jnp.asarray(rng.normal(size=(8,)), jnp.bfloat16)
+
+    def linear(w, b):
+        return jnp.mean(b.astype(jnp.bfloat16) @ w)
+
+    micro = np.stack([np.asarray(jax.grad(linear)(w, x[i:i + 1]), np.float64) for i in range(k)])
+    want = micro.mean(0)
+    got = np.asarray(jaxaccum.value_and_grad(linear, num_microbatches=k)(w, x)[1], np.float64)
+    bf16_none = np.asarray(jaxaccum.value_and_grad(linear, num_microbatches=k,
+                                                   accumulator_dtype=None)(w, x)[1], np.float64)
+    half_ulp = np.abs(want) * 2.0**-8
+    assert np.all(np.abs(got - want) <= half_ulp * 1.01), (got, want)
+    assert np.max(np.abs(bf16_none - want) / np.abs(want)) > 2.0**-8  # why float32 matters
+
+
+def test_the_weight_is_float32_whatever_the_loss_dtype():
+    """A bf16 loss with float32 counts: 257 tokens per micro-batch (bf16 would round to 256)."""
+    def bf16_loss(w, b):
+        x, y, m = b
+        per = ((x @ w - y) ** 2).astype(jnp.bfloat16)
+        return jnp.sum(per * m.astype(jnp.bfloat16)) / jnp.sum(m).astype(jnp.bfloat16), jnp.sum(m)
+
+    x, y = batch(514)
+    value, _, info = jaxaccum.value_and_grad(bf16_loss, num_microbatches=2, weighted=True,
+                                             return_info=True)(W, (x, y, jnp.ones(514)))
+    assert info.weight.dtype == jnp.float32 and float(info.weight) == 514.0
+    assert value.dtype == jnp.bfloat16
