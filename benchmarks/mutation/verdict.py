@@ -32,17 +32,17 @@ TESTS = {
     "jaxaccum/_coupled.py": ["tests/test_contract.py", "tests/test_coupled.py"],
     "jaxaccum/_check.py": ["tests/test_check.py", "tests/test_contract.py"],
     "jaxaccum/packing.py": ["tests/test_packing.py"],
-    "jaxaccum/_placement.py": [*REFERENCE, "tests/test_reference_mesh.py",
+    "jaxaccum/_placement.py": [*REFERENCE, "tests/test_data_parallel.py",
                                "tests/test_pipeline_placement.py"],
 }
 ASSERTIONS = ("AssertionError", "assert ", "Failed: DID NOT RAISE", "Regex pattern did not match")
 
 
 def mutated() -> tuple[str, str]:
-    names = subprocess.run(["git", "diff", "--name-only"], capture_output=True, text=True,
-                           check=True).stdout.split()
-    diff = subprocess.run(["git", "diff", "-U0"], capture_output=True, text=True,
-                          check=True).stdout
+    names = subprocess.run(["git", "diff", "--name-only", "--", "jaxaccum"],
+                           capture_output=True, text=True, check=True).stdout.split()
+    diff = subprocess.run(["git", "diff", "-U0", "--", "jaxaccum"], capture_output=True,
+                          text=True, check=True).stdout
     return (names[0] if names else ""), diff
 
 
