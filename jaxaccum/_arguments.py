@@ -25,6 +25,8 @@ class Accumulation:
       options: the shared :class:`jaxaccum.Options`.
       pin_in_loop: tie the differentiated arguments to the loop carry, so that work on them
         inside ``fun`` (a per-micro-batch all-gather, ZeRO-3) is not hoisted out of the loop.
+      stacked: the batch arguments are stacks ``(K, m, ...)`` of micro-batches
+        (``max_microbatches``): micro-batch ``i`` is ``data[i]``, read where it lies.
     """
 
     fun: Callable[..., Any]
@@ -35,6 +37,12 @@ class Accumulation:
     carry: tuple[int, ...]
     options: _options.Options
     pin_in_loop: bool = False
+    stacked: bool = False
+
+    @property
+    def microbatch_axis(self) -> int:
+        """The axis of the micro-batch index in :func:`jaxaccum._pipeline.split`'s views."""
+        return 0 if self.stacked else 1
 
     def differentiated(self, args: tuple[Any, ...]) -> Any:
         """The differentiated arguments, shaped as ``jax.grad`` returns their gradients."""

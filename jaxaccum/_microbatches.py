@@ -15,7 +15,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxaccum import _reductions
 from jaxaccum._arguments import Accumulation
 
 
@@ -102,9 +101,9 @@ def microbatches(batch: Any, *, microbatch_size: int, max_microbatches: int) -> 
 def unstack(
     acc: Accumulation, args: tuple[Any, ...]
 ) -> tuple[tuple[Any, ...], int, jax.Array] | None:
-    """With ``max_microbatches``: the batch arguments' stacks in the pipeline's strided layout
-    (``(K, m, ...) -> (m * K, ...)``, so that micro-batch ``i`` of a split by ``K`` is
-    ``data[i]``), ``K`` and the traced count. None without the option."""
+    """With ``max_microbatches``: the arguments with each batch argument's stack ``data``
+    (``(K, m, ...)`` leaves, read where they lie: no copy), ``K`` and the traced count. None
+    without the option."""
     k = acc.options.max_microbatches
     if k is None:
         for i in acc.split:
@@ -125,6 +124,7 @@ def unstack(
                 f"{type(stack).__name__} (use jaxaccum.microbatches(batch, microbatch_size=m, "
                 f"max_microbatches={k}) to build one)"
             )
+        sizes = set()
         for path, x in jax.tree_util.tree_flatten_with_path(stack.data)[0]:
             if np.ndim(x) < 2 or np.shape(x)[0] != k:
                 raise ValueError(
@@ -132,6 +132,12 @@ def unstack(
                     f"needs the shape (K={k}, m, ...); argument {i}"
                     f"{jax.tree_util.keystr(path)} has the shape {np.shape(x)}"
                 )
+            sizes.add(np.shape(x)[1])
+        if len(sizes) > 1:
+            raise ValueError(
+                f"{acc.entry}: every leaf of Microbatches.data needs the same micro-batch size m "
+                f"(axis 1); argument {i} has the sizes {sorted(sizes)}"
+            )
         if np.shape(stack.count) != () or not jnp.issubdtype(jnp.result_type(stack.count),
                                                              jnp.integer):
             raise TypeError(
@@ -140,25 +146,8 @@ def unstack(
             )
         check_count(acc.entry, stack.count, k)
         counts.append(jnp.clip(jnp.asarray(stack.count, jnp.int32), 0, k))
-        out[i] = jax.tree.map(_strided, stack.data)
+        out[i] = stack.data
     return tuple(out), k, counts[0]
-
-
-def _strided(x: Any) -> jax.Array:
-    x = jnp.asarray(x)
-    return jnp.swapaxes(x, 0, 1).reshape((-1, *x.shape[2:]))
-
-
-def restack_aux(acc: Accumulation, aux: Any, k: int) -> Any:
-    """``"concat"`` aux leaves back in the stack's layout ``(K, m, ...)`` (the pipeline
-    returns them in its strided order ``(m * K, ...)``)."""
-    if aux is None or acc.options.aux_spec is None:
-        return aux
-    plan = _reductions.aux_plan(acc.entry, acc.options.aux_spec, aux)
-    concat = _reductions.AUX_REDUCTIONS["concat"]
-    leaves = [jnp.swapaxes(x.reshape((-1, k, *x.shape[1:])), 0, 1) if r is concat else x
-              for r, x in zip(plan, jax.tree.leaves(aux), strict=True)]
-    return jax.tree.unflatten(jax.tree.structure(aux), leaves)
 
 
 def check_count(entry: str, count: Any, k: int) -> None:

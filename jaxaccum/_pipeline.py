@@ -10,6 +10,7 @@ what they add around :func:`run`.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -29,18 +30,23 @@ if TYPE_CHECKING:
 def split(acc: Accumulation, args: tuple[Any, ...], k: int) -> tuple[Any, ...]:
     """Each batch leaf viewed as ``(B/k, k, ...)`` (a reshape, no copy): micro-batch i is
     ``view[:, i]``, the **strided** examples i, i + k, i + 2k, ... A batch sharded over devices
-    in contiguous blocks (of any size k divides) is split where it lies."""
+    in contiguous blocks (of any size k divides) is split where it lies. A stack of
+    micro-batches (``acc.stacked``) is its own view: micro-batch i is ``data[i]``."""
 
     def view(x: Any) -> jax.Array:
         x = jnp.asarray(x)
+        if acc.stacked:
+            return x
         return x.reshape((x.shape[0] // k, k, *x.shape[1:]))
 
     return tuple(jax.tree.map(view, b) for b in acc.batch(args))
 
 
-def take(views: tuple[Any, ...], i: Any) -> tuple[Any, ...]:
+def take(acc: Accumulation, views: tuple[Any, ...], i: Any) -> tuple[Any, ...]:
     """Micro-batch ``i`` of :func:`split`'s views, gathered inside the loop."""
-    return jax.tree.map(lambda v: jax.lax.dynamic_index_in_dim(v, i, axis=1, keepdims=False), views)
+    axis = acc.microbatch_axis
+    return jax.tree.map(
+        lambda v: jax.lax.dynamic_index_in_dim(v, i, axis=axis, keepdims=False), views)
 
 
 def shapes(acc: Accumulation, args: tuple[Any, ...], views: tuple[Any, ...]) -> Shapes:
@@ -51,7 +57,7 @@ def shapes(acc: Accumulation, args: tuple[Any, ...], views: tuple[Any, ...]) -> 
     """
 
     def first(v: tuple[Any, ...]) -> Any:  # indexing inside keeps sharding types
-        return acc.fun(*acc.with_batch(args, take(v, 0)))
+        return acc.fun(*acc.with_batch(args, take(acc, v, 0)))
 
     loss, weight, aux, new_carry = acc.split_output(jax.eval_shape(first, views))
     _validation.scalar(loss, f"{acc.entry}: the loss returned by the loss function",
@@ -62,7 +68,7 @@ def shapes(acc: Accumulation, args: tuple[Any, ...], views: tuple[Any, ...]) -> 
     for i, old, new in zip(acc.carry, acc.carried(args), new_carry, strict=True):
         _validation.same_structure(old, new, f"{acc.entry}: carry_argnums: argument {i}")
     if acc.options.aux_spec is not None:
-        size = jax.tree.leaves(views)[0].shape[0]
+        size = jax.tree.leaves(views)[0].shape[1 - acc.microbatch_axis]
         _reductions.check_concat(acc.entry, acc.options.aux_spec, aux, size)
     return Shapes(loss, aux)
 
@@ -169,7 +175,7 @@ def accumulate(
     stack go into buffers of length ``k`` (zeros past ``count``)."""
 
     def body(sums: Sums, i: Any) -> tuple[Sums, Any]:
-        return micro_step(acc, acc.with_batch(args, take(views, i)), sums, placement)
+        return micro_step(acc, acc.with_batch(args, take(acc, views, i)), sums, placement)
 
     if count is not None:
         def step(i: Any, state: tuple[Sums, Any]) -> tuple[Sums, Any]:
@@ -207,7 +213,9 @@ def finalize(
     if acc.options.aux_spec is not None:
         plan = _reductions.aux_plan(acc.entry, acc.options.aux_spec, out.aux)
         kept = count - sums.skipped  # skipped micro-batches add nothing to a reduced aux
-        leaves = [r.finalize(y if r.stacked else a, sums.weight, kept)
+        concat = _reductions.AUX_REDUCTIONS["concat"]
+        leaves = [y if acc.stacked and r is concat  # a stack's own layout (K, m, ...)
+                  else r.finalize(y if r.stacked else a, sums.weight, kept)
                   for r, a, y in zip(plan, sums.aux, ys, strict=True)]
         aux = jax.tree.unflatten(jax.tree.structure(out.aux), leaves)
     return loss.astype(out.loss.dtype), grads, aux
@@ -241,20 +249,20 @@ def per_device(
 def run(acc: Accumulation, args: tuple[Any, ...], placement: Placement) -> Result:
     """The whole pipeline on positional ``args``, placed by ``placement``."""
     stacked = _microbatches.unstack(acc, args)
-    if stacked is not None:
-        args = stacked[0]
-    batch_size = _validation.leading_batch_size(args, acc.split, acc.entry)
     _validation.floating_leaves(
         acc.differentiated(args), f"{acc.entry}: argnums",
         "gradients need floating (or complex) leaves",
     )
     opts = acc.options
-    local = placement.local_batch_size(acc, batch_size)
-    if stacked is not None:
-        _, k, count = stacked
+    if stacked is not None:  # micro-batches of m examples, read where they lie
+        args, k, count = stacked
+        acc = dataclasses.replace(acc, stacked=True)
+        size = jax.tree.leaves(acc.batch(args))[0].shape[1]
+        placement.local_batch_size(acc, size)  # m splits over the data-parallel devices
         res = placement.run(acc, args, k, count)
-        res = res._replace(aux=_microbatches.restack_aux(acc, res.aux, k))
     else:
+        batch_size = _validation.leading_batch_size(args, acc.split, acc.entry)
+        local = placement.local_batch_size(acc, batch_size)
         k = _validation.resolve_num_microbatches(
             local, opts.num_microbatches, opts.microbatch_size, acc.entry, placement.devices
         )

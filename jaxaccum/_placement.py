@@ -173,7 +173,8 @@ class AutoMesh(_Mesh):
         out = []
         for i, a in enumerate(args):
             if i in acc.split:
-                out.append(jax.tree.map(lambda x: _specs.leading(self.axes, jnp.ndim(x)), a))
+                out.append(jax.tree.map(
+                    lambda x: _specs.leading(self.axes, jnp.ndim(x), acc.stacked), a))
             elif self.hints is None or self.hints[i] is None:
                 out.append(jax.tree.map(lambda x: _specs.of(x, self.dp.mesh), a))
             else:
@@ -211,9 +212,14 @@ class AutoMesh(_Mesh):
             res = _pipeline.per_device(acc, local_args, k, placement, n)
             leaves = jax.tree.leaves(res.aux)
             static["tree"] = jax.tree.structure(res.aux)
-            static["stacked"] = [r.stacked for r in _aux_plan(acc, res.aux)]
-            aux = [x if stacked else jnp.expand_dims(x, 0)  # replicated: one copy per device
-                   for stacked, x in zip(static["stacked"], leaves, strict=True)]
+            plan = _aux_plan(acc, res.aux)
+            static["stacked"] = [r.stacked for r in plan]
+            # a stack's concat leaves are (K, m): the devices' shares join along m
+            static["swap"] = [acc.stacked and r is _reductions.AUX_REDUCTIONS["concat"]
+                              for r in plan]
+            aux = [jnp.swapaxes(x, 0, 1) if swap else x if stacked else jnp.expand_dims(x, 0)
+                   for stacked, swap, x in zip(static["stacked"], static["swap"], leaves,
+                                               strict=True)]
             return res.loss, res.grads, aux, res.weight, res.skipped, res.noise
 
         loss, grads, aux, weight, skipped, noise = jax.shard_map(
@@ -225,8 +231,8 @@ class AutoMesh(_Mesh):
             axis_names=set(self.axes),
             check_vma=False,
         )(count, *args)
-        aux = [x if stacked else self.first(x)
-               for stacked, x in zip(static["stacked"], aux, strict=True)]
+        aux = [jnp.swapaxes(x, 0, 1) if swap else x if stacked else self.first(x)
+               for stacked, swap, x in zip(static["stacked"], static["swap"], aux, strict=True)]
         return Result(loss, grads, jax.tree.unflatten(static["tree"], aux), weight, skipped,
                       self.count(k) if count is None else self.count(1) * count, noise=noise)
 
@@ -333,8 +339,8 @@ class ExplicitMesh(_Mesh):
 
     def enter(self, acc: Accumulation, args: tuple[Any, ...]) -> tuple[Accumulation, Any, Any]:
         args = tuple(
-            jax.tree.map(lambda x: self.reshard(jnp.asarray(x),
-                                                _specs.leading(self.axes, jnp.ndim(x))), a)
+            jax.tree.map(lambda x: self.reshard(
+                jnp.asarray(x), _specs.leading(self.axes, jnp.ndim(x), acc.stacked)), a)
             if i in acc.split else a
             for i, a in enumerate(args)
         )

@@ -42,8 +42,11 @@ def uses(spec: P, ndim: int, axes: tuple[str, ...]) -> bool:
     return any(n in axes for e in padded(spec, ndim) for n in names(e))
 
 
-def leading(axes: tuple[str, ...], ndim: int) -> P:
-    """The batch's spec: the leading axis split over ``axes``."""
+def leading(axes: tuple[str, ...], ndim: int, stacked: bool = False) -> P:
+    """The batch's spec: the leading axis split over ``axes`` (for a stack of micro-batches
+    ``(K, m, ...)``, the micro-batch axis ``m``)."""
+    if stacked:
+        return P(None, entry(axes), *([None] * (ndim - 2)))
     return P(entry(axes), *([None] * (ndim - 1)))
 
 

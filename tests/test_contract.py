@@ -297,3 +297,24 @@ def test_the_weight_is_float32_whatever_the_loss_dtype():
                                              return_info=True)(W, (x, y, jnp.ones(514)))
     assert info.weight.dtype == jnp.float32 and float(info.weight) == 514.0
     assert value.dtype == jnp.bfloat16
+
+
+def test_a_runtime_count_reads_the_stack_where_it_lies():
+    """No copy of the batch: the runtime-count program's compiled temp is the fixed-k
+    program's (the batch here is 526 KB, six times the fixed program's temp)."""
+    k, m, d = 8, 64, 256
+
+    def mlp_loss(w, b):
+        x, y = b
+        return jnp.mean((jnp.tanh(x @ w).sum(1) - y) ** 2)
+
+    w = jnp.zeros((d, 16))
+    x, y = jnp.ones((k * m, d)), jnp.ones((k * m,))
+
+    def temp(fn, *args):
+        return jax.jit(fn).lower(*args).compile().memory_analysis().temp_size_in_bytes
+
+    fixed = temp(jaxaccum.value_and_grad(mlp_loss, num_microbatches=k), w, (x, y))
+    stack = jaxaccum.Microbatches((x.reshape(k, m, d), y.reshape(k, m)), jnp.int32(k))
+    runtime = temp(jaxaccum.value_and_grad(mlp_loss, max_microbatches=k), w, stack)
+    assert runtime <= fixed + 4096, (runtime, fixed, x.nbytes + y.nbytes)
