@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
+import re
+import types
+from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -197,3 +201,21 @@ def mnist(tmp_path_factory):
         pytest.fail("set JAXACCUM_MNIST_DIR to a folder with the four MNIST .gz files")
     tfds.disable_progress_bar()
     return gist.Mnist.load(str(tmp_path_factory.mktemp("tfds")), manual)
+
+
+@contextlib.contextmanager
+def refuses(kind, match: str | None = None) -> Iterator[types.SimpleNamespace]:
+    """Like ``pytest.raises``, but any other exception, or a message that does not match, is
+    an assertion failure: a promise of a clear error is broken as much by a crash elsewhere
+    (a NumPy reshape error, a tracer error) as by no error at all."""
+    info = types.SimpleNamespace(value=None)
+    try:
+        yield info
+    except Exception as error:  # noqa: BLE001 - the point is to judge any exception
+        assert isinstance(error, kind), (
+            f"expected {kind}, got {type(error).__name__}: {str(error)[:500]}")
+        assert match is None or re.search(match, str(error)), (
+            f"the message does not match {match!r}: {str(error)[:500]}")
+        info.value = error
+        return
+    raise AssertionError(f"DID NOT RAISE {kind}")

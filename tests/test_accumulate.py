@@ -7,7 +7,15 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import assert_trees_close, max_rel_diff, mlp_apply, mlp_params, mse_loss, random_batch
+from conftest import (
+    assert_trees_close,
+    max_rel_diff,
+    mlp_apply,
+    mlp_params,
+    mse_loss,
+    random_batch,
+    refuses,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -183,37 +191,37 @@ def test_gradient_dtype_follows_params_accumulator_float32(dtype):
 
 
 def test_k_not_dividing_batch():
-    with pytest.raises(ValueError, match=r"num_microbatches=3 does not divide the batch size 64"):
+    with refuses(ValueError, match=r"num_microbatches=3 does not divide the batch size 64"):
         jax.jit(jaxaccum.value_and_grad(mse_loss, num_microbatches=3))(PARAMS, BATCH)
 
 
 def test_microbatch_size_not_dividing_batch():
-    with pytest.raises(ValueError, match=r"microbatch_size=5 does not divide the batch size 64"):
+    with refuses(ValueError, match=r"microbatch_size=5 does not divide the batch size 64"):
         jaxaccum.value_and_grad(mse_loss, microbatch_size=5)(PARAMS, BATCH)
 
 
 @pytest.mark.parametrize("bad", [0, -2])
 def test_k_below_one(bad):
-    with pytest.raises(
+    with refuses(
         ValueError, match=rf"num_microbatches must be >= 1; got num_microbatches={bad}"
     ):
         jaxaccum.value_and_grad(mse_loss, num_microbatches=bad)
 
 
 def test_k_not_int():
-    with pytest.raises(TypeError, match=r"num_microbatches must be a positive int; got 2.0"):
+    with refuses(TypeError, match=r"num_microbatches must be a positive int; got 2.0"):
         jaxaccum.value_and_grad(mse_loss, num_microbatches=2.0)
 
 
 @pytest.mark.parametrize(("n", "m"), [(None, None), (2, 32)])
 def test_both_or_neither_count(n, m):
-    with pytest.raises(ValueError, match=r"exactly one of num_microbatches and microbatch_size"):
+    with refuses(ValueError, match=r"exactly one of num_microbatches and microbatch_size"):
         jaxaccum.value_and_grad(mse_loss, num_microbatches=n, microbatch_size=m)
 
 
 def test_leaves_with_different_batch_sizes():
     x, y = BATCH
-    with pytest.raises(
+    with refuses(
         ValueError, match=r"share one leading batch size; got .*\[0\]: 64, .*\[1\]: 32"
     ):
         jax.jit(jaxaccum.value_and_grad(mse_loss, num_microbatches=2))(PARAMS, (x, y[:32]))
@@ -223,24 +231,24 @@ def test_non_scalar_loss():
     def per_example(params, batch):
         return jnp.mean((mlp_apply(params, batch[0]) - batch[1]) ** 2, axis=-1)
 
-    with pytest.raises(
+    with refuses(
         ValueError, match=r"the loss returned by the loss function must be a scalar.*shape \(16,\)"
     ):
         jax.jit(jaxaccum.value_and_grad(per_example, num_microbatches=4))(PARAMS, BATCH)
 
 
 def test_weighted_without_weight():
-    with pytest.raises(TypeError, match=r"loss function must return \(loss, weight\)"):
+    with refuses(TypeError, match=r"loss function must return \(loss, weight\)"):
         jaxaccum.value_and_grad(mse_loss, num_microbatches=2, weighted=True)(PARAMS, BATCH)
 
 
 def test_argnums_overlapping_batch():
-    with pytest.raises(ValueError, match=r"argnums=1 and batch_argnums=1 overlap"):
+    with refuses(ValueError, match=r"argnums=1 and batch_argnums=1 overlap"):
         jaxaccum.value_and_grad(mse_loss, num_microbatches=2, argnums=1)
 
 
 def test_scalar_batch_leaf():
-    with pytest.raises(ValueError, match=r"argument 1\[1\] is a scalar"):
+    with refuses(ValueError, match=r"argument 1\[1\] is a scalar"):
         jaxaccum.value_and_grad(mse_loss, num_microbatches=2)(PARAMS, (BATCH[0], 1.0))
 
 
@@ -336,7 +344,7 @@ def test_skip_nonfinite_everything_gives_zero():
 
 def test_integer_params_rejected():
     params = {"w": jnp.ones((8, 4), jnp.int32)}
-    with pytest.raises(TypeError, match=r"leaf \['w'\] has dtype int32; gradients need floating"):
+    with refuses(TypeError, match=r"leaf \['w'\] has dtype int32; gradients need floating"):
         jaxaccum.value_and_grad(lambda p, b: jnp.mean(b[0] @ p["w"]), num_microbatches=2)(
             params, BATCH
         )
@@ -396,12 +404,12 @@ def test_bfloat16_float32_accumulator_beats_bfloat16_accumulator():
 
 def test_empty_batch():
     x, y = BATCH
-    with pytest.raises(ValueError, match=r"the batch is empty \(leading batch size 0\)"):
+    with refuses(ValueError, match=r"the batch is empty \(leading batch size 0\)"):
         jaxaccum.value_and_grad(mse_loss, num_microbatches=1)(PARAMS, (x[:0], y[:0]))
 
 
 def test_batch_without_leaves():
-    with pytest.raises(ValueError, match=r"batch_argnums=\(1,\): the batch arguments hold no"):
+    with refuses(ValueError, match=r"batch_argnums=\(1,\): the batch arguments hold no"):
         jaxaccum.value_and_grad(lambda p, b: jnp.sum(p), num_microbatches=1)(jnp.ones(2), ())
 
 
@@ -510,7 +518,7 @@ def test_unroll_gives_the_same_result_and_is_checked():
     unrolled_fn = jaxaccum.value_and_grad(mse_loss, num_microbatches=8, unroll=4)
     assert_trees_close(jax.jit(unrolled_fn)(PARAMS, BATCH), rolled, 1e-6)
     assert "unroll=4" in str(jax.make_jaxpr(unrolled_fn)(PARAMS, BATCH))
-    with pytest.raises(TypeError, match="jaxaccum.value_and_grad: unroll must be"):
+    with refuses(TypeError, match="jaxaccum.value_and_grad: unroll must be"):
         jaxaccum.value_and_grad(mse_loss, num_microbatches=8, unroll=0)
 
 
@@ -519,5 +527,5 @@ def test_a_pair_returned_without_has_aux_names_the_option():
         return mse_loss(params, batch), batch[0]
 
     fn = jaxaccum.value_and_grad(with_aux, num_microbatches=2)
-    with pytest.raises(TypeError, match="a pair means .* pass has_aux=True .* weighted=True"):
+    with refuses(TypeError, match="a pair means .* pass has_aux=True .* weighted=True"):
         fn(PARAMS, BATCH)

@@ -4,8 +4,7 @@ accumulated as if it were not, and a step fed one micro-batch's gradient are eac
 from __future__ import annotations
 
 import jax
-import pytest
-from conftest import mlp_params, mse_loss, random_batch
+from conftest import mlp_params, mse_loss, random_batch, refuses
 from test_coupled import clip_data, clip_loss, encode, raw_keys
 
 import jaxaccum
@@ -52,5 +51,5 @@ def test_a_coupled_loss_through_plain_accumulation_is_caught_and_the_fix_passes(
 
 
 def test_check_names_itself_in_option_errors():
-    with pytest.raises(TypeError, match="jaxaccum.check got an unknown option"):
+    with refuses(TypeError, match="jaxaccum.check got an unknown option"):
         jaxaccum.check(mse_loss, PARAMS, BATCH, k=4)

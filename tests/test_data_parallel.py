@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import refuses
 from jax.sharding import PartitionSpec as P
 from launcher import run_program
 
@@ -85,13 +86,13 @@ def test_param_shardings_errors_name_the_argument():
     def loss(p, b):
         return jnp.mean((b[0] @ p["w"] + p["b"] - b[1]) ** 2)
 
-    with pytest.raises(TypeError, match="the option param_shardings= is gone.*DataParallel"):
+    with refuses(TypeError, match="the option param_shardings= is gone.*DataParallel"):
         jaxaccum.value_and_grad(loss, num_microbatches=2, param_shardings={"w": P()})
     wrong = jaxaccum.value_and_grad(
         loss, num_microbatches=2,
         mesh=jaxaccum.DataParallel(mesh1, param_shardings={"w": P()}),
     )
-    with pytest.raises(TypeError, match=r"param_shardings for argument 0 must be a tree"):
+    with refuses(TypeError, match=r"param_shardings for argument 0 must be a tree"):
         jax.jit(wrong)(params, batch)
     right = jaxaccum.value_and_grad(
         loss, num_microbatches=2,

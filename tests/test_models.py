@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import refuses
 from flax import nnx
 
 import jaxaccum
@@ -68,14 +69,14 @@ def test_per_example_dropout_keep_rate_and_scale():
 
 
 def test_per_example_dropout_needs_one_key_per_example():
-    with pytest.raises(ValueError, match=r"x has 4 examples, keys shape \(3,\)"):
+    with refuses(ValueError, match=r"x has 4 examples, keys shape \(3,\)"):
         models.per_example_dropout(
             jnp.ones((4, 2)), jaxaccum.per_example_keys(jax.random.key(0), 3), 0.8
         )
 
 
 def test_dropout_keep_checked():
-    with pytest.raises(ValueError, match=r"keep must be in \(0, 1\]; got keep=0.0"):
+    with refuses(ValueError, match=r"keep must be in \(0, 1\]; got keep=0.0"):
         models.DropoutMLP(nnx.Rngs(0), keep=0.0)
 
 
@@ -99,6 +100,6 @@ def test_functional_refuses_a_model_with_state():
         def __init__(self):
             self.bn = nnx.BatchNorm(3, rngs=nnx.Rngs(0))
 
-    with pytest.raises(TypeError, match=r"WithBatchNorm has variables other than nnx.Param "
+    with refuses(TypeError, match=r"WithBatchNorm has variables other than nnx.Param "
                        r"\(BatchStat\).*jaxaccum.nnx"):
         models.functional(WithBatchNorm())

@@ -219,7 +219,7 @@ def scenarios(draw: Any) -> Scenario:
 
 
 @pytest.mark.parametrize("front", FRONT_ENDS)
-@settings(max_examples=EXAMPLES, deadline=None, derandomize=True,
+@settings(max_examples=EXAMPLES, deadline=None, derandomize=True, report_multiple_bugs=False,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(s=scenarios())
 def test_every_front_end_gives_the_documented_result(front, s):

@@ -8,7 +8,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import pytest
 from conftest import (
     assert_within_rounding,
     full_and_reference,
@@ -16,6 +15,7 @@ from conftest import (
     mlp_apply,
     mlp_params,
     mse_loss,
+    refuses,
 )
 
 import jaxaccum
@@ -136,9 +136,9 @@ def test_microbatches_helper_pads_the_last_short_batch():
     mb = jaxaccum.microbatches(x, microbatch_size=2, max_microbatches=8)
     assert mb.data.shape == (8, 2, 3) and int(mb.count) == 5
     np.testing.assert_array_equal(mb.data[:5].reshape(10, 3), x)
-    with pytest.raises(ValueError, match="jaxaccum.microbatches: the batch holds 5 .* more than"):
+    with refuses(ValueError, match="jaxaccum.microbatches: the batch holds 5 .* more than"):
         jaxaccum.microbatches(x, microbatch_size=2, max_microbatches=4)
-    with pytest.raises(ValueError, match="microbatch_size=3 must divide the batch's 10"):
+    with refuses(ValueError, match="microbatch_size=3 must divide the batch's 10"):
         jaxaccum.microbatches(x, microbatch_size=3, max_microbatches=4)
 
 
@@ -146,16 +146,16 @@ def test_bad_inputs_say_what_to_do():
     params = mlp_params(jax.random.key(5))
     x, y = stack_data()
     plain = jaxaccum.value_and_grad(mse_loss, num_microbatches=2)
-    with pytest.raises(TypeError, match="build the function with max_microbatches=K"):
+    with refuses(TypeError, match="build the function with max_microbatches=K"):
         plain(params, jaxaccum.Microbatches((x, y), 2))
     fn = jaxaccum.value_and_grad(mse_loss, max_microbatches=K)
-    with pytest.raises(TypeError, match=r"must be a jaxaccum.Microbatches\(data, count\)"):
+    with refuses(TypeError, match=r"must be a jaxaccum.Microbatches\(data, count\)"):
         fn(params, (x[0], y[0]))
-    with pytest.raises(ValueError, match=r"needs the shape \(K=6, m, \.\.\.\)"):
+    with refuses(ValueError, match=r"needs the shape \(K=6, m, \.\.\.\)"):
         fn(params, jaxaccum.Microbatches((x[:4], y[:4]), 2))
-    with pytest.raises(TypeError, match="Microbatches.count must be an integer scalar"):
+    with refuses(TypeError, match="Microbatches.count must be an integer scalar"):
         fn(params, jaxaccum.Microbatches((x, y), 2.0))
-    with pytest.raises(ValueError, match="exactly one of num_microbatches"):
+    with refuses(ValueError, match="exactly one of num_microbatches"):
         jaxaccum.value_and_grad(mse_loss, num_microbatches=2, max_microbatches=K)
 
 
