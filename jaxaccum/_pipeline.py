@@ -11,18 +11,15 @@ what they add around :func:`run`.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from jaxaccum import _conv_layout, _microbatches, _noise, _reductions, _validation
 from jaxaccum._arguments import Accumulation
+from jaxaccum._hooks import Placement
 from jaxaccum._records import Result, Shapes, Sums
-
-if TYPE_CHECKING:
-    from jaxaccum._placement import Placement
-
 
 # --- split --------------------------------------------------------------------------------------
 
@@ -67,10 +64,12 @@ def shapes(acc: Accumulation, args: tuple[Any, ...], views: tuple[Any, ...]) -> 
                            "(weighted=True)", floating=False)
     for i, old, new in zip(acc.carry, acc.carried(args), new_carry, strict=True):
         _validation.same_structure(old, new, f"{acc.entry}: carry_argnums: argument {i}")
+    plan: list[_reductions.AuxReduction] = []
     if acc.options.aux_spec is not None:
+        plan = _reductions.aux_plan(acc.entry, acc.options.aux_spec, aux)
         size = jax.tree.leaves(views)[0].shape[1 - acc.microbatch_axis]
-        _reductions.check_concat(acc.entry, acc.options.aux_spec, aux, size)
-    return Shapes(loss, aux)
+        _reductions.check_concat(acc.entry, plan, aux, size)
+    return Shapes(loss, aux, plan)
 
 
 # --- micro-step ---------------------------------------------------------------------------------
@@ -82,9 +81,8 @@ def init_sums(
     """The accumulators before the first micro-batch."""
     aux = None
     if acc.options.aux_spec is not None:
-        plan = _reductions.aux_plan(acc.entry, acc.options.aux_spec, out.aux)
         aux = [None if r.stacked else r.init(jnp.shape(x), _reductions.leaf_dtype(x))
-               for r, x in zip(plan, jax.tree.leaves(out.aux), strict=True)]
+               for r, x in zip(out.aux_plan, jax.tree.leaves(out.aux), strict=True)]
     dtype = acc.options.accumulator_dtype
     return Sums(
         loss=jnp.zeros((), _reductions.accumulator_dtype_for(out.loss.dtype, dtype)),
@@ -98,7 +96,8 @@ def init_sums(
 
 
 def micro_step(
-    acc: Accumulation, args: tuple[Any, ...], sums: Sums, placement: Placement
+    acc: Accumulation, args: tuple[Any, ...], sums: Sums, placement: Placement,
+    out: Shapes,
 ) -> tuple[Sums, Any]:
     """``fun`` and its gradient on one micro-batch (``args`` holds it), added into ``sums``.
 
@@ -145,7 +144,7 @@ def micro_step(
     )
     if opts.aux_spec is None:
         return new, None
-    plan = _reductions.aux_plan(acc.entry, opts.aux_spec, aux)
+    plan = out.aux_plan
     leaves = [jnp.asarray(x) for x in jax.tree.leaves(aux)]
     stacked = [x if r.stacked else None for r, x in zip(plan, leaves, strict=True)]
     accs = [a if r.stacked else r.update(a, x, w)
@@ -166,7 +165,7 @@ def _microbatch_size(acc: Accumulation, args: tuple[Any, ...]) -> jax.Array:
 
 def accumulate(
     acc: Accumulation, args: tuple[Any, ...], views: tuple[Any, ...], start: Sums, k: int,
-    placement: Placement, count: jax.Array | None = None,
+    placement: Placement, out: Shapes, count: jax.Array | None = None,
 ) -> tuple[Sums, Any]:
     """Runs :func:`micro_step` over the ``k`` micro-batches in one ``lax.scan`` (rolled unless
     the ``unroll`` option says otherwise; each micro-batch gathered from the views inside the
@@ -175,7 +174,7 @@ def accumulate(
     stack go into buffers of length ``k`` (zeros past ``count``)."""
 
     def body(sums: Sums, i: Any) -> tuple[Sums, Any]:
-        return micro_step(acc, acc.with_batch(args, take(acc, views, i)), sums, placement)
+        return micro_step(acc, acc.with_batch(args, take(acc, views, i)), sums, placement, out)
 
     if count is not None:
         def step(i: Any, state: tuple[Sums, Any]) -> tuple[Sums, Any]:
@@ -211,7 +210,7 @@ def finalize(
     grads = _reductions.cast_like(grads, acc.differentiated(args))
     aux = None
     if acc.options.aux_spec is not None:
-        plan = _reductions.aux_plan(acc.entry, acc.options.aux_spec, out.aux)
+        plan = out.aux_plan
         kept = count - sums.skipped  # skipped micro-batches add nothing to a reduced aux
         concat = _reductions.AUX_REDUCTIONS["concat"]
         leaves = [y if acc.stacked and r is concat  # a stack's own layout (K, m, ...)
@@ -237,13 +236,14 @@ def per_device(
         out = shapes(acc, args, views)
     start = init_sums(acc, args, out, placement)
     with jax.named_scope("jaxaccum.accumulate"):
-        sums, ys = accumulate(acc, args, views, start, k, placement, count)
+        sums, ys = accumulate(acc, args, views, start, k, placement, out, count)
     with jax.named_scope("jaxaccum.reduce"):
         sums = placement.reduce(acc, sums, out)
     with jax.named_scope("jaxaccum.finalize"):
         total = placement.count(k) if count is None else placement.count(1) * count
         loss, grads, aux = finalize(acc, sums, ys, args, out, total)
-    return Result(loss, grads, aux, sums.weight, sums.skipped, total, sums.carry, sums.sq_norms)
+    return Result(loss, grads, aux, sums.weight, sums.skipped, total, sums.carry, sums.sq_norms,
+                  out.aux_plan)
 
 
 def run(acc: Accumulation, args: tuple[Any, ...], placement: Placement) -> Result:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -31,7 +31,8 @@ from jax.sharding import PartitionSpec as P
 
 from jaxaccum import _options, _pipeline, _reduced, _reductions, _specs
 from jaxaccum._arguments import Accumulation
-from jaxaccum._pipeline import Result, Shapes, Sums
+from jaxaccum._hooks import Placement
+from jaxaccum._records import Result, Shapes, Sums
 
 _is_spec = lambda s: isinstance(s, P)  # noqa: E731
 
@@ -54,7 +55,8 @@ class OneDevice:
         """The pipeline placed here (``count``: the traced number of real micro-batches)."""
         return _pipeline.per_device(acc, args, k, self, count)
 
-    def enter(self, acc: Accumulation, args: tuple[Any, ...]) -> tuple[Accumulation, Any, Any]:
+    def enter(self, acc: Accumulation, args: tuple[Any, ...]) -> tuple[
+            Accumulation, tuple[Any, ...], Placement]:
         """Where the parameters enter the loop: returns ``(acc, args, placement)``."""
         return acc, args, self
 
@@ -212,7 +214,7 @@ class AutoMesh(_Mesh):
             res = _pipeline.per_device(acc, local_args, k, placement, n)
             leaves = jax.tree.leaves(res.aux)
             static["tree"] = jax.tree.structure(res.aux)
-            plan = _aux_plan(acc, res.aux)
+            plan = res.aux_plan
             static["stacked"] = [r.stacked for r in plan]
             # a stack's concat leaves are (K, m): the devices' shares join along m
             static["swap"] = [acc.stacked and r is _reductions.AUX_REDUCTIONS["concat"]
@@ -258,7 +260,8 @@ class AutoMesh(_Mesh):
         data = _specs.only(spec, x.ndim, self.axes)
         return self.manual_over_rest(functools.partial(gather, spec=data), x, spec)
 
-    def enter(self, acc: Accumulation, args: tuple[Any, ...]) -> tuple[Accumulation, Any, Any]:
+    def enter(self, acc: Accumulation, args: tuple[Any, ...]) -> tuple[
+            Accumulation, tuple[Any, ...], Placement]:
         args = tuple(  # other arguments sharded over the data axes are gathered whole
             a if i in acc.split or i in acc.diff
             else jax.tree.map(self.gather, a, self.specs[i], is_leaf=_is_spec)
@@ -285,8 +288,27 @@ class AutoMesh(_Mesh):
         loss, weight, skipped, sq_norms = jax.lax.psum(
             (sums.loss, sums.weight, sums.skipped, sums.sq_norms), self.axes)
         aux = [a if r.stacked else r.combine(a, self.axes)
-               for r, a in zip(_aux_plan(acc, out.aux), sums.aux or [], strict=True)]
+               for r, a in zip(out.aux_plan, sums.aux or [], strict=True)]
         return Sums(loss, grads, weight, skipped, sums.carry, aux or sums.aux, sq_norms)
+
+
+class LeafPlan(NamedTuple):
+    """How an Explicit mesh treats one differentiated leaf.
+
+    Attributes:
+      spec: the leaf's ``PartitionSpec`` on the mesh.
+      per_microbatch: gathered in every micro-batch (``fsdp="microbatch"``, ZeRO-3).
+      reduced: cast to ``reduced`` over the data axes (its gradients then come out
+        ``unreduced`` and are summed without communication until the one reduction).
+    """
+
+    spec: P
+    per_microbatch: bool
+    reduced: bool
+
+
+def _is_leaf_plan(t: Any) -> bool:
+    return isinstance(t, LeafPlan)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -299,7 +321,7 @@ class ExplicitMesh(_Mesh):
         every micro-batch).
       resolve: re-evaluate ``fun`` so that reduced parameters meet batch-sharded activations
         (:func:`jaxaccum._reduced.reduced_compatible`).
-      leaves: set by :meth:`enter`: per differentiated leaf ``(spec, per_microbatch, reduced)``.
+      leaves: set by :meth:`enter`: a :class:`LeafPlan` per differentiated leaf.
     """
 
     cast: str = "all"
@@ -337,7 +359,8 @@ class ExplicitMesh(_Mesh):
                     raise
         raise AssertionError("unreachable")
 
-    def enter(self, acc: Accumulation, args: tuple[Any, ...]) -> tuple[Accumulation, Any, Any]:
+    def enter(self, acc: Accumulation, args: tuple[Any, ...]) -> tuple[
+            Accumulation, tuple[Any, ...], Placement]:
         args = tuple(
             jax.tree.map(lambda x: self.reshard(
                 jnp.asarray(x), _specs.leading(self.axes, jnp.ndim(x), acc.stacked)), a)
@@ -346,31 +369,31 @@ class ExplicitMesh(_Mesh):
         )
         diff = jax.tree.map(jnp.asarray, acc.differentiated(args))
 
-        def describe(x: jax.Array) -> tuple[P, bool, bool]:
+        def describe(x: jax.Array) -> LeafPlan:
             spec = _specs.of(x, self.dp.mesh)
-            return spec, self.per_microbatch(spec, x.ndim), self.cast == "all" or (
-                self.cast == "kernels" and x.ndim >= 2)
+            return LeafPlan(spec, self.per_microbatch(spec, x.ndim), self.cast == "all" or (
+                self.cast == "kernels" and x.ndim >= 2))
 
         leaves = jax.tree.map(describe, diff)
-        is_leaf = lambda t: isinstance(t, tuple) and len(t) == 3 and _is_spec(t[0])  # noqa: E731
+        is_leaf = _is_leaf_plan
 
-        def cast(x: jax.Array, leaf: tuple[P, bool, bool]) -> jax.Array:
-            spec, _, reduced = leaf
-            axes = set(self.axes) if reduced else set()
-            return self.reshard(x, P(*self.without_data(spec, x.ndim), reduced=axes))
+        def cast(x: jax.Array, leaf: LeafPlan) -> jax.Array:
+            axes = set(self.axes) if leaf.reduced else set()
+            return self.reshard(x, P(*self.without_data(leaf.spec, x.ndim), reduced=axes))
 
-        outside = jax.tree.map(lambda x, t: x if t[1] else cast(x, t), diff, leaves,
+        outside = jax.tree.map(lambda x, t: x if t.per_microbatch else cast(x, t), diff, leaves,
                                is_leaf=is_leaf)
         if self.resolve:
             acc = acc.with_fun(_reduced.reduced_compatible(acc.fun))
-        if any(t[1] for t in jax.tree.leaves(leaves, is_leaf=is_leaf)):
+        if any(t.per_microbatch for t in jax.tree.leaves(leaves, is_leaf=is_leaf)):
             acc = gather_inside(acc, lambda tree: jax.tree.map(
-                lambda x, t: cast(x, t) if t[1] else x, tree, leaves, is_leaf=is_leaf))
+                lambda x, t: cast(x, t) if t.per_microbatch else x, tree, leaves,
+                is_leaf=is_leaf))
         placement = dataclasses.replace(self, leaves=leaves)
         return acc, acc.replace_differentiated(args, outside), placement
 
     def zeros(self, diff: Any, dtype: Any) -> Any:
-        def zero(x: jax.Array, leaf: tuple[P, bool, bool]) -> jax.Array:
+        def zero(x: jax.Array, leaf: LeafPlan) -> jax.Array:
             spec, per_microbatch, reduced = leaf
             z = jnp.zeros(x.shape, _reductions.accumulator_dtype_for(x.dtype, dtype))
             if per_microbatch:
@@ -378,7 +401,7 @@ class ExplicitMesh(_Mesh):
             unreduced = set(self.axes) if reduced else set()
             return self.reshard(z, P(*self.without_data(spec, x.ndim), unreduced=unreduced))
 
-        return jax.tree.map(zero, diff, self.leaves, is_leaf=lambda t: isinstance(t, tuple))
+        return jax.tree.map(zero, diff, self.leaves, is_leaf=_is_leaf_plan)
 
     def add(self, acc: jax.Array, g: jax.Array, w: jax.Array | None) -> jax.Array:
         """For an unreduced gradient only linear operations exist: the weight is cast to
@@ -393,11 +416,10 @@ class ExplicitMesh(_Mesh):
         return (acc + w_reduced.astype(g.dtype) * g).astype(acc.dtype)
 
     def reduce(self, acc: Accumulation, sums: Sums, out: Shapes) -> Sums:
-        grads = jax.tree.map(self.reduce_once, sums.grads, self.leaves,
-                             is_leaf=lambda t: isinstance(t, tuple))
+        grads = jax.tree.map(self.reduce_once, sums.grads, self.leaves, is_leaf=_is_leaf_plan)
         return sums._replace(grads=grads)
 
-    def reduce_once(self, g: jax.Array, leaf: tuple[P, bool, bool]) -> Any:
+    def reduce_once(self, g: jax.Array, leaf: LeafPlan) -> Any:
         """The step's one reduction of an accumulated gradient, to the leaf's own sharding.
 
         A reshard from unreduced does it, but XLA lowers a reshard to a data-sharded (FSDP)
@@ -449,17 +471,7 @@ class ExplicitMesh(_Mesh):
         return finite, jax.tree.unflatten(tree, leaves)
 
 
-def _aux_plan(acc: Accumulation, aux: Any) -> list[_reductions.AuxReduction]:
-    """The aux leaves' reductions ([] without aux)."""
-    if acc.options.aux_spec is None:
-        return []
-    return _reductions.aux_plan(acc.entry, acc.options.aux_spec, aux)
-
-
-Placement = OneDevice  # the hooks every placement has (OneDevice's, overridden by meshes)
-
-
-def placement_for(options: _options.Options, hints: Any = None) -> OneDevice:
+def placement_for(options: _options.Options, hints: Any = None) -> Placement:
     """The placement of ``options.mesh``; ``hints`` are argument shardings read before tracing
     (Auto meshes), else those of ``DataParallel.param_shardings``, bound per call."""
     dp = options.data_parallel

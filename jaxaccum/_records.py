@@ -52,6 +52,8 @@ class Result(NamedTuple):
       carry: the carried arguments' final values (a tuple), ``()`` without them.
       noise: with ``noise_scale``, a :class:`jaxaccum.NoiseScale` (inside the placement:
         the reduced sum of the micro-batch gradients' squared norms).
+      aux_plan: the aux leaves' reductions (:attr:`Shapes.aux_plan`), for a placement that
+        combines the devices' aux values.
     """
 
     loss: jax.Array
@@ -62,13 +64,23 @@ class Result(NamedTuple):
     num_microbatches: Any
     carry: Any = ()
     noise: Any = None
+    aux_plan: Any = ()
 
 
 class Shapes(NamedTuple):
-    """The abstract output of ``fun`` on one micro-batch: ``loss`` and ``aux`` (shape, dtype)."""
+    """The abstract output of ``fun`` on one micro-batch, and the plan made from it once per
+    call.
+
+    Attributes:
+      loss: the loss's shape and dtype.
+      aux: the aux value's (None without aux).
+      aux_plan: one :class:`jaxaccum._reductions.AuxReduction` per aux leaf, in flattened
+        order (``[]`` without aux).
+    """
 
     loss: Any
     aux: Any
+    aux_plan: Any = ()
 
 
 class StepInfo(NamedTuple):

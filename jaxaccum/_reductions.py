@@ -272,9 +272,8 @@ def aux_plan(entry: str, spec: Any, aux: Any) -> list[AuxReduction]:
     return [AUX_REDUCTIONS[n] for n in jax.tree.leaves(per_leaf, is_leaf=_is_name)]
 
 
-def check_concat(entry: str, spec: Any, aux: Any, microbatch_size: int) -> None:
+def check_concat(entry: str, plan: list[AuxReduction], aux: Any, microbatch_size: int) -> None:
     """``"concat"`` needs per-example leaves: a leading axis of the micro-batch's size."""
-    plan = aux_plan(entry, spec, aux)
     paths = jax.tree_util.tree_flatten_with_path(aux)[0]
     for record, (path, leaf) in zip(plan, paths, strict=True):
         shape = jnp.shape(leaf)
