@@ -183,7 +183,8 @@ def accumulate(
                 lambda buf, v: jax.lax.dynamic_update_index_in_dim(buf, v, i, 0), state[1], y)
 
         shapes = jax.eval_shape(lambda s: body(s, 0)[1], start)
-        ys = jax.tree.map(lambda s: jnp.zeros((k, *s.shape), s.dtype), shapes)
+        ys = jax.tree.map(lambda s: jnp.broadcast_to(jnp.zeros_like(s)[None], (k, *s.shape)),
+                          shapes)  # zeros_like keeps a sharding type (Explicit axes)
         return jax.lax.fori_loop(0, count, step, (start, ys))  # type: ignore[no-any-return]
     if k == 1:
         sums, ys = body(start, 0)

@@ -206,6 +206,10 @@ class AutoMesh(_Mesh):
                 "own micro-batch gradient to measure; use fsdp='step'"
             )
         args = tuple(jax.tree.map(jnp.asarray, a) for a in args)
+        if self.dp.explicit:  # the coupled losses' forward pass: put the batch where it splits
+            args = tuple(jax.tree.map(lambda x: self.reshard(
+                x, _specs.leading(self.axes, x.ndim, acc.stacked)), a) if i in acc.split else a
+                for i, a in enumerate(args))
         placement = dataclasses.replace(self, specs=self.arg_specs(acc, args))
         in_specs = self.data_specs(args, placement.specs)
         static: dict[str, Any] = {}  # the aux's structure, read while tracing
@@ -404,16 +408,18 @@ class ExplicitMesh(_Mesh):
         return jax.tree.map(zero, diff, self.leaves, is_leaf=_is_leaf_plan)
 
     def add(self, acc: jax.Array, g: jax.Array, w: jax.Array | None) -> jax.Array:
-        """For an unreduced gradient only linear operations exist: the weight is cast to
-        reduced, and a weight-0 micro-batch's NaN cannot be masked (it propagates: never
-        dropped silently)."""
-        unreduced = jax.typeof(g).sharding.spec.unreduced
-        if not unreduced:
+        """An unreduced gradient admits only linear operations, so the weighted add (a
+        weight-0 micro-batch adds nothing, not even the NaN of a 0/0 loss) runs on each
+        device's partial sum in a ``shard_map``: no communication, the same rule as on one
+        device (the weight is the same on every device)."""
+        spec = jax.typeof(g).sharding.spec
+        if not spec.unreduced:
             return super().add(acc, g, w)
         if w is None:
             return (acc + g).astype(acc.dtype)
-        w_reduced = jax.reshard(_reductions.valid_weight(w), P(reduced=set(unreduced)))
-        return (acc + w_reduced.astype(g.dtype) * g).astype(acc.dtype)
+        return jax.shard_map(  # type: ignore[no-any-return]
+            _reductions.weighted_add, in_specs=(jax.typeof(acc).sharding.spec, spec, P()),
+            out_specs=jax.typeof(acc).sharding.spec, check_vma=False)(acc, g, w)
 
     def reduce(self, acc: Accumulation, sums: Sums, out: Shapes) -> Sums:
         grads = jax.tree.map(self.reduce_once, sums.grads, self.leaves, is_leaf=_is_leaf_plan)

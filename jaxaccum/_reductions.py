@@ -185,13 +185,22 @@ def _last_device(acc: Any, axes: Any) -> Any:
 
 
 def _extremum(largest: bool) -> AuxReduction:
-    """``"max"`` or ``"min"``: starts at the other end of the dtype's range (-inf for max)."""
+    """``"max"`` or ``"min"``: starts at the other end of the dtype's range (-inf for max); a
+    NaN wins, across micro-batches and across devices (an all-reduce max would drop it)."""
     pick = jnp.maximum if largest else jnp.minimum
+    reduce = jax.lax.pmax if largest else jax.lax.pmin
+
+    def combine(acc: Any, axes: Any) -> Any:
+        if not jnp.issubdtype(acc.dtype, jnp.inexact):
+            return reduce(acc, axes)
+        nan = jax.lax.psum(jnp.isnan(acc).astype(jnp.int32), axes) > 0
+        return jnp.where(nan, jnp.nan, reduce(acc, axes)).astype(acc.dtype)
+
     return AuxReduction(
         False,
         lambda shape, dtype: jnp.full(shape, _extreme(dtype, largest=not largest), dtype),
         lambda acc, x, w: pick(acc, x),
-        jax.lax.pmax if largest else jax.lax.pmin,
+        combine,
         _same,
     )
 

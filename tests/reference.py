@@ -32,12 +32,21 @@ The documented rules it encodes:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+import optax
+from flax import nnx
+from flax.training import train_state
+
+import jaxaccum
+import jaxaccum.linen
+import jaxaccum.nnx
 
 AUX_LEAVES = ("res", "avg", "pos", "half")
 REDUCTIONS = ("stack", "concat", "sum", "mean", "weighted_mean", "max", "min", "last")
@@ -59,6 +68,7 @@ class Scenario:
     skip_nonfinite: bool = False
     aux: dict[str, str] | None = None  # leaf -> reduction name, or None (no aux)
     noise_scale: bool = False
+    shards: int = 1  # devices of an Auto mesh: each evaluates its share of every micro-batch
 
     @property
     def options(self) -> dict[str, Any]:
@@ -74,17 +84,34 @@ class Scenario:
         return out
 
     def microbatch_indices(self) -> list[np.ndarray]:
-        """The examples of each evaluated micro-batch, in order."""
+        """The examples of each evaluated micro-batch (each device's share of one, with
+        ``shards`` devices on an Auto mesh), device-major: indices into the batch (with a
+        runtime count, into the stack flattened to ``(K * m, ...)``)."""
+        return [idx for _, i, idx in self.units() if i < self.evaluated]
+
+    @property
+    def evaluated(self) -> int:
+        """Micro-batches evaluated per device."""
+        return self.k if self.count is None else self.count
+
+    def units(self) -> list[tuple[int, int, np.ndarray]]:
+        """``(device, micro-batch, examples)`` for every slot of every device, device-major
+        (slots past a runtime count included)."""
         b = self.x.shape[0]
-        if self.count is None:
-            return [np.arange(i, b, self.k) for i in range(self.k)]
-        m = b // self.k  # the stack's rows: micro-batch i is examples i*m .. i*m + m - 1
-        return [np.arange(i * m, (i + 1) * m) for i in range(self.count)]
+        out = []
+        for d in range(self.shards):
+            if self.count is None:  # each device's block of the batch, split strided
+                lo = d * b // self.shards
+                out += [(d, i, lo + np.arange(i, b // self.shards, self.k))
+                        for i in range(self.k)]
+            else:  # micro-batch i is row i of the stack; each device holds a block of m
+                m = b // self.k
+                lo = d * m // self.shards
+                out += [(d, i, i * m + lo + np.arange(m // self.shards)) for i in range(self.k)]
+        return out
 
     def batch(self) -> Any:
         """The batch as the front ends take it: ``(x, y, m)``, or a ``Microbatches`` stack."""
-        import jaxaccum
-
         data = (self.x, self.y, self.m)
         if self.count is None:
             return data
@@ -165,7 +192,7 @@ def expected(s: Scenario) -> Expected:
         aux = {"res": r, "avg": avg, "pos": int(np.sum(r > 0)),
                "half": _bf16(np.float32(avg) * np.array([1.0, 2.0]))}
         rows.append(dict(wt=wt, loss=loss, grad=grad, finite=finite, aux=aux, n=len(idx),
-                         loss_abs=loss_abs, grad_abs=grad_abs))
+                         loss_abs=loss_abs, grad_abs=grad_abs, idx=idx))
 
     skipped = 0
     total, loss_sum, grad_sum = 0.0, 0.0, np.zeros(d)
@@ -220,25 +247,18 @@ def _expected_aux(s: Scenario, rows: list[dict], kept: list[dict]) -> tuple[dict
         values = [np.asarray(r["aux"][leaf], np.float64) for r in kept]
         shape = np.shape(rows[0]["aux"][leaf]) if rows else ((2,) if leaf == "half" else ())
         wide = np.dtype(np.float32) if floating else dtype
-        if name == "stack":
-            stacked = [np.asarray(r["aux"][leaf], np.float64) for r in rows]
-            if s.count is not None:  # rows past the count are zeros
-                size = s.x.shape[0] // s.k
-                zero_shape = (size,) if leaf == "res" else shape
-                stacked += [np.zeros(zero_shape)] * (s.k - len(rows))
-            out[leaf], dtypes[leaf] = np.stack(stacked), dtype
-        elif name == "concat":
-            if s.count is None:
-                order = np.concatenate(s.microbatch_indices())
-                full = np.empty(s.x.shape[0])
-                full[order] = np.concatenate([r["aux"]["res"] for r in rows])
-                out[leaf] = full
-            else:  # the stack's own layout (K, m), zeros past the count
-                size = s.x.shape[0] // s.k
-                full = np.zeros((s.k, size))
-                for i, r in enumerate(rows):
-                    full[i] = r["aux"]["res"]
-                out[leaf] = full
+        if name == "stack":  # each device's slots (zeros past a runtime count), device-major
+            evaluated, slots = iter(rows), []
+            for _, i, idx in s.units():
+                slots.append(np.asarray(next(evaluated)["aux"][leaf], np.float64)
+                             if i < s.evaluated
+                             else np.zeros((len(idx),) if leaf == "res" else shape))
+            out[leaf], dtypes[leaf] = np.stack(slots), dtype
+        elif name == "concat":  # batch order (with a runtime count: the stack's, zeros past it)
+            full = np.zeros(s.x.shape[0])
+            for r in rows:
+                full[r["idx"]] = r["aux"]["res"]
+            out[leaf] = full if s.count is None else full.reshape(s.k, -1)
             dtypes[leaf] = dtype
         elif name == "sum":
             out[leaf] = np.sum(values, 0) if values else np.zeros(shape)
@@ -304,3 +324,149 @@ def assert_close(name: str, got: Any, want: Any, bound: Any) -> None:
         same = (got[ok] == want[ok]) | (np.abs(got[ok] - want[ok]) <= np.broadcast_to(bound,
                                                                                       want.shape)[ok])
     assert np.all(same), f"{name}: got {got}, expected {want} (bound {bound})"
+
+
+# --- every front end, driven the same way ---------------------------------------------------
+
+D = 3
+
+
+class Linear(nnx.Module):
+    def __init__(self, w: np.ndarray) -> None:
+        self.w = nnx.Param(jnp.asarray(w))
+
+
+def _nnx_loss(loss):
+    return lambda model, batch: loss(model.w[...], batch)
+
+
+def _totals_loss(loss, weighted: bool, examples: int):
+    """``loss`` times ``totals["n"] / examples``: 1 exactly when the statistics are the sum
+    of every evaluated micro-batch's example count, as ``statistics_first`` promises."""
+
+    def fun(w, batch, totals):
+        out = loss(w, batch)
+        factor = totals["n"] / examples
+        if isinstance(out, tuple) and isinstance(out[0], tuple):  # ((loss, weight), aux)
+            (value, weight), aux = out
+            return (value * factor, weight), aux
+        if isinstance(out, tuple):
+            return (out[0] * factor, out[1])
+        return out * factor
+
+    return fun
+
+
+def _stats(w, batch):
+    return {"n": jnp.asarray(batch[0].shape[0], jnp.float32)}
+
+
+def run(front: str, s: Scenario, mesh: Any = None) -> dict[str, Any]:
+    """Runs scenario ``s`` through ``front`` (on ``mesh``, if given); returns loss, grads,
+    info, aux and the parameters after one SGD(1) step (steps only)."""
+    loss = loss_fn(s.weighted, None if s.aux is None else tuple(s.aux))
+    opts = s.options if mesh is None else {**s.options, "mesh": mesh}
+    w = jnp.asarray(s.w)
+    batch = s.batch()
+    sgd = optax.sgd(1.0)
+    out: dict[str, Any] = {}
+    if front == "value_and_grad":
+        value, grads, info = jax.jit(jaxaccum.value_and_grad(loss, return_info=True, **opts))(
+            w, batch)
+        out.update(value=value, grads=grads, info=info)
+    elif front == "statistics_first":
+        examples = s.x.shape[0] if s.count is None else s.count * (s.x.shape[0] // s.k)
+        fn = jaxaccum.statistics_first(_stats, _totals_loss(loss, s.weighted, max(examples, 1)),
+                                       return_info=True, **opts)
+        value, grads, info = jax.jit(fn)(w, batch)
+        out.update(value=value, grads=grads, info=info)
+    elif front == "train_step":
+        step = jaxaccum.train_step(loss, sgd, **opts)
+        params, _, value, info = step(w, sgd.init(w), batch)
+        out.update(value=value, info=info, params=params)
+    elif front == "nnx.value_and_grad":
+        model = Linear(s.w)
+        fn = nnx.jit(jaxaccum.nnx.value_and_grad(_nnx_loss(loss), return_info=True, **opts))
+        value, grads, info = fn(model, batch)
+        out.update(value=value, grads=grads["w"][...], info=info)
+    elif front == "nnx.train_step":
+        model = Linear(s.w)
+        optimizer = nnx.Optimizer(model, sgd, wrt=nnx.Param)
+        value, info = jaxaccum.nnx.train_step(_nnx_loss(loss), **opts)(model, optimizer, batch)
+        out.update(value=value, info=info, params=model.w[...])
+    elif front == "linen.train_step":
+        state = train_state.TrainState.create(apply_fn=None, params=w, tx=sgd)
+        state, value, info = jaxaccum.linen.train_step(loss, **opts)(state, batch)
+        out.update(value=value, info=info, params=state.params)
+    else:
+        raise ValueError(front)
+    return out
+
+
+FRONT_ENDS = ("value_and_grad", "statistics_first", "train_step", "nnx.value_and_grad",
+              "nnx.train_step", "linen.train_step")
+STEPS = ("train_step", "nnx.train_step", "linen.train_step")
+
+
+def check(front: str, s: Scenario, mesh: Any = None) -> None:
+    """Asserts that ``front`` gives what the reference model says for ``s`` (on ``mesh``)."""
+    want = expected(s)
+    with contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh):
+        got = run(front, s, mesh)
+    info = got["info"]
+    # one contract: the info's fields and dtypes, whatever the options
+    assert isinstance(info, jaxaccum.StepInfo), type(info)
+    assert info.skipped.dtype == jnp.int32 and info.num_microbatches.dtype == jnp.int32
+    assert info.weight.dtype == jnp.float32
+    assert int(info.skipped) == want.skipped
+    assert int(info.num_microbatches) == want.num_microbatches
+    assert_close("info.weight", info.weight, want.weight, 4 * EPS32 * abs(want.weight))
+    value = got["value"]
+    if front in STEPS:  # a step returns the loss alone; the aux is in the info
+        loss, aux = value, info.aux
+    else:
+        loss, aux = (value if s.aux is not None else (value, None))
+    assert jnp.shape(loss) == () and jnp.asarray(loss).dtype == jnp.float32
+    assert_close("loss", loss, want.loss, want.loss_bound)
+    if "grads" in got:
+        assert_close("grads", got["grads"], want.grads, want.grads_bound)
+    if "params" in got:  # SGD(1): w - grads, or w unchanged when the total weight is 0
+        after = s.w - want.grads if want.stepped else s.w
+        bound = want.grads_bound + 2 * EPS32 * np.abs(s.w) if want.stepped else 0.0
+        assert_close("params", got["params"], after, bound)
+    if s.aux is None:
+        assert aux is None
+    else:
+        _check_aux(s, aux, want)
+    if s.noise_scale:
+        _check_noise(info.noise_scale, want)
+    else:
+        assert info.noise_scale is None
+
+
+def _check_aux(s: Scenario, aux: Any, want: Any) -> None:
+    assert set(aux) == set(s.aux), (set(aux), set(s.aux))
+    scale = max([1.0] + [float(np.nanmax(np.abs(v))) for v in want.aux.values()
+                         if np.size(v) and np.any(np.isfinite(v))])
+    for leaf, name in s.aux.items():
+        got = aux[leaf]
+        assert np.dtype(got.dtype) == np.dtype(want.aux_dtypes[leaf]), (
+            f"aux {leaf!r} ({name}): dtype {got.dtype}, expected {want.aux_dtypes[leaf]}")
+        if leaf == "pos" and name not in ("mean", "weighted_mean"):
+            bound = 0.0
+        elif leaf == "half":
+            bound = 4 * (s.k + 1) * EPS16 * scale
+        else:
+            bound = 8 * (s.x.shape[0] + D + s.k) * EPS32 * scale * max(1.0, np.abs(s.w).sum())
+        assert_close(f"aux {leaf!r} ({name})", got, want.aux[leaf], bound)
+
+
+def _check_noise(noise: Any, want: Any) -> None:
+    assert isinstance(noise, jaxaccum.NoiseScale)
+    g2, trace, small, big = want.noise
+    assert_close("noise big_batch", noise.big_batch, big, 4 * EPS32 * abs(big))
+    assert_close("noise small_batch", noise.small_batch, small, 8 * EPS32 * abs(small))
+    # the estimators subtract sums of squared norms; float32 loses eps32 times their size
+    mag = (abs(g2) + abs(trace) * 4 + 1.0) * 1e3 * EPS32 * big
+    assert_close("noise trace", noise.trace, trace, mag)
+    assert_close("noise gradient_sq", noise.gradient_sq, g2, mag)

@@ -1,0 +1,85 @@
+"""The reference model of the docs (``tests/reference.py``) on 8 host devices: a data mesh
+with Auto axes (each device evaluates its share of every micro-batch: the reference's units
+are those shares) and with Explicit axes (the micro-batches are global), through every front
+end that takes a mesh, over seeded random scenarios of weights (zero, negative, NaN), NaN
+examples, runtime counts, skipping, every aux reduction and the noise scale (Auto only)."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import traceback
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import AxisType
+
+from tests.reference import REDUCTIONS, D, Scenario, check
+
+from .common import emit
+
+DEVICES = 8
+LEAVES = {"res": ("stack", "concat"), "avg": REDUCTIONS[2:], "pos": ("stack", "sum", "mean",
+                                                                    "max", "min", "last"),
+          "half": REDUCTIONS[2:]}
+# nnx.value_and_grad / train_step carry the module's other variables, which Auto axes refuse
+FRONTS = {"auto": ("value_and_grad", "statistics_first", "train_step", "linen.train_step"),
+          "explicit": ("value_and_grad", "statistics_first", "train_step", "nnx.value_and_grad",
+                       "nnx.train_step", "linen.train_step")}
+
+
+def scenario(rng: np.random.Generator, axes: str) -> Scenario:
+    k = int(rng.integers(1, 4))
+    runtime = bool(rng.integers(2))
+    per_share = int(rng.integers(1, 3))  # examples per device per micro-batch
+    b = k * per_share * DEVICES
+    x = rng.normal(size=(b, D)).astype(np.float32)
+    y = rng.normal(size=(b,)).astype(np.float32)
+    w = (rng.normal(size=(D,)) / 2).astype(np.float32)
+    m = rng.choice(np.array([0.0, 1.0, 2.0, 3.0], np.float32), size=b)
+    special = rng.choice(["none", "zero", "negative", "nan_weight", "nan_example"])
+    j = int(rng.integers(b))
+    if special == "zero":
+        m[: b // 2] = 0.0
+    elif special == "negative":
+        m[j] = -4.0
+    elif special == "nan_weight":
+        m[j] = np.nan
+    elif special == "nan_example":
+        x[j, 0] = np.nan
+    skip = bool(rng.integers(2))
+    aux = None
+    if rng.integers(2):
+        aux = {leaf: str(rng.choice(names)) for leaf, names in LEAVES.items()}
+        if axes == "auto" and skip:  # "last" of the last device's kept micro-batch only
+            aux = {leaf: ("sum" if name == "last" else name) for leaf, name in aux.items()}
+    noise = axes == "auto" and bool(rng.integers(2))
+    return Scenario(x, y, m, w, k, int(rng.integers(0, k + 1)) if runtime else None,
+                    bool(rng.integers(2)), skip, aux, noise)
+
+
+def main() -> None:
+    cases = int(sys.argv[1]) if len(sys.argv) > 1 else 6
+    out: dict[str, Any] = {}
+    for axes in ("auto", "explicit"):
+        kind = AxisType.Auto if axes == "auto" else AxisType.Explicit
+        mesh = jax.make_mesh((DEVICES,), ("data",), axis_types=(kind,))
+        rng = np.random.default_rng(0)
+        ran, failures = 0, []
+        for n in range(cases):
+            s = scenario(rng, axes)
+            if axes == "auto":  # the reference's units: each device's share of a micro-batch
+                s = dataclasses.replace(s, shards=DEVICES)
+            for front in FRONTS[axes]:
+                try:
+                    check(front, s, mesh)
+                except Exception:  # noqa: BLE001 - reported with the scenario
+                    failures.append(f"case {n} {front}: {traceback.format_exc()[-1500:]}")
+                ran += 1
+        out[axes] = {"checks": ran, "failures": failures}
+    emit(out)
+
+
+if __name__ == "__main__":
+    main()
