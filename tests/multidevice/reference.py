@@ -13,8 +13,11 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import AxisType
+import optax
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 
+import jaxaccum
 from tests.reference import REDUCTIONS, D, Scenario, check
 
 from .common import emit
@@ -59,6 +62,28 @@ def scenario(rng: np.random.Generator, axes: str) -> Scenario:
                     bool(rng.integers(2)), skip, aux, noise)
 
 
+def gathered_argument(mesh: Any) -> float:
+    """A non-batch argument sharded over the data axis is used whole by every device (the
+    docs: arguments other than the batch are passed whole): the relative gradient error
+    against one device."""
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(32, D)).astype(np.float32)
+    table = np.arange(1.0, 9.0, dtype=np.float32)  # the loss needs every entry
+
+    def loss(w: Any, batch: Any, table: Any) -> Any:
+        return jax.numpy.mean((batch @ w) ** 2) * jax.numpy.sum(table * table)
+
+    w = np.ones(D, np.float32)
+    sgd = optax.sgd(0.1)
+    one = jaxaccum.train_step(loss, sgd, num_microbatches=2)(w, sgd.init(w), x, table)[0]
+    sharded = jax.device_put(table, NamedSharding(mesh, P("data")))
+    # the step reads the shardings of what it is given (Auto axes) and keeps them
+    got = jaxaccum.train_step(loss, sgd, num_microbatches=2, mesh=mesh)(
+        w, sgd.init(w), x, sharded)[0]
+    change = np.asarray(one) - w
+    return float(np.max(np.abs(np.asarray(got) - np.asarray(one))) / np.max(np.abs(change)))
+
+
 def main() -> None:
     cases = int(sys.argv[1]) if len(sys.argv) > 1 else 6
     out: dict[str, Any] = {}
@@ -77,7 +102,8 @@ def main() -> None:
                 except Exception:  # noqa: BLE001 - reported with the scenario
                     failures.append(f"case {n} {front}: {traceback.format_exc()[-1500:]}")
                 ran += 1
-        out[axes] = {"checks": ran, "failures": failures}
+        out[axes] = {"checks": ran, "failures": failures,
+                     "gathered_argument_rel": gathered_argument(mesh)}
     emit(out)
 
 
