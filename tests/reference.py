@@ -189,9 +189,9 @@ def expected(s: Scenario) -> Expected:
                 loss_abs, grad_abs = np.mean(sq_abs), np.mean(g_abs, 0)
             avg = float(np.mean(r))
         finite = bool(np.isfinite(loss) and np.all(np.isfinite(grad)))
-        aux = {"res": r, "avg": avg, "pos": int(np.sum(r > 0)),
-               "half": _bf16(np.float32(avg) * np.array([1.0, 2.0]))}
-        rows.append(dict(wt=wt, loss=loss, grad=grad, finite=finite, aux=aux, n=len(idx),
+        values = {"res": r, "avg": avg, "pos": int(np.sum(r > 0)),
+                  "half": _bf16(np.float32(avg) * np.array([1.0, 2.0]))}
+        rows.append(dict(wt=wt, loss=loss, grad=grad, finite=finite, aux=values, n=len(idx),
                          loss_abs=loss_abs, grad_abs=grad_abs, idx=idx))
 
     skipped = 0
@@ -226,7 +226,8 @@ def expected(s: Scenario) -> Expected:
     loss_bound = 2 * n_ops * EPS32 * loss_mag * scale + 1e-30
     grads_bound = 2 * n_ops * EPS32 * grad_mag * scale + 1e-30
 
-    aux = dtypes = None
+    aux: dict[str, Any] | None = None
+    dtypes: dict[str, Any] | None = None
     if s.aux is not None:
         aux, dtypes = _expected_aux(s, rows, kept)
     noise = _expected_noise(s, rows, kept, grads) if s.noise_scale else None
@@ -445,6 +446,7 @@ def check(front: str, s: Scenario, mesh: Any = None) -> None:
 
 
 def _check_aux(s: Scenario, aux: Any, want: Any) -> None:
+    assert s.aux is not None
     assert set(aux) == set(s.aux), (set(aux), set(s.aux))
     scale = max([1.0] + [float(np.nanmax(np.abs(v))) for v in want.aux.values()
                          if np.size(v) and np.any(np.isfinite(v))])
