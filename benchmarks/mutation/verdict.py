@@ -73,6 +73,8 @@ def main() -> int:
                 what = (bad.get("message") or "")[:300]
                 verdict = "killed" if bad.tag == "failure" and what.startswith(ASSERTIONS) \
                     else "crashed"
+                if bad.tag == "error" and "SyntaxError" in (bad.text or ""):
+                    verdict = "invalid"  # the mutated module does not even import
                 break
             else:
                 verdict, what = "crashed", proc.stdout[-300:]

@@ -1,0 +1,94 @@
+"""Joins a cosmic-ray session with the verdicts ``verdict.py`` logged, into one report.
+
+``python benchmarks/mutation/report.py A/session.sqlite A/verdicts.jsonl [B/session.sqlite
+B/verdicts.jsonl ...] --out benchmarks/results/mutation.json`` writes, for the commit the
+sessions ran on: the sample (seed, size, per module), each mutant's operator, place, diff and
+verdict (killed by an assertion / crashed / survived / timeout / invalid), and per module the
+kill rate over the non-equivalent mutants (``--equivalent FILE``: a JSON object of job id ->
+why it is equivalent).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sqlite3
+import subprocess
+from collections import Counter, defaultdict
+from typing import Any
+
+
+def load(session: str, log: str) -> list[dict[str, Any]]:
+    db = sqlite3.connect(session)
+    rows = db.execute(
+        "select s.job_id, s.module_path, s.operator_name, s.start_pos_row, s.start_pos_col, "
+        "r.worker_outcome, r.test_outcome, r.diff from mutation_specs s left join work_results r "
+        "on s.job_id = r.job_id").fetchall()
+    verdicts: dict[str, dict[str, Any]] = {}
+    with open(log) as f:
+        for line in f:
+            v = json.loads(line)
+            verdicts[v["diff"].strip()] = v
+    out = []
+    for job, path, op, row, col, worker, test, diff in rows:
+        v = verdicts.get((diff or "").strip())
+        if worker is None:
+            verdict = "not run"
+        elif worker == "abnormal" or test == "incompetent":
+            verdict = "invalid"  # the mutated module does not import (a syntax error)
+        elif test == "killed" and v is None:
+            verdict = "timeout"
+        elif v is not None:
+            verdict = v["verdict"]
+        else:
+            verdict = "survived" if test == "survived" else str(test)
+        out.append({"job": job, "module": path, "operator": op, "line": row, "col": col,
+                    "verdict": verdict, "test": (v or {}).get("test", ""),
+                    "message": (v or {}).get("message", "")[:300], "diff": diff or ""})
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("pairs", nargs="+")
+    parser.add_argument("--out", default="benchmarks/results/mutation.json")
+    parser.add_argument("--equivalent", default=None)
+    parser.add_argument("--commit", default=None)
+    args = parser.parse_args()
+    mutants: list[dict[str, Any]] = []
+    for session, log in zip(args.pairs[::2], args.pairs[1::2], strict=True):
+        mutants += load(session, log)
+    equivalent = json.load(open(args.equivalent)) if args.equivalent else {}
+    for m in mutants:
+        if m["verdict"] == "survived" and m["job"] in equivalent:
+            m["verdict"], m["why"] = "equivalent", equivalent[m["job"]]
+    commit = args.commit or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
+                                           text=True, check=True).stdout.strip()
+    per: dict[str, Counter[str]] = defaultdict(Counter)
+    for m in mutants:
+        per[m["module"]][m["verdict"]] += 1
+    summary = {}
+    for module, c in sorted(per.items()):
+        judged = sum(c.values()) - c["equivalent"] - c["invalid"] - c["not run"]
+        summary[module] = {**c, "killed_rate": round(c["killed"] / judged, 3) if judged else None}
+    total: Counter[str] = sum(per.values(), Counter())
+    judged = sum(total.values()) - total["equivalent"] - total["invalid"] - total["not run"]
+    report = {
+        "commit": commit,
+        "tool": "cosmic-ray 8.7 (benchmarks/mutation/cosmic-ray.toml)",
+        "sample": "benchmarks/mutation/sample.py --size 300 --seed 20261201 (annotations left "
+                  "out; proportional per module, at least 20), shards 0/2 and 1/2",
+        "kill": "an assertion failed (verdict.py); crashed = another exception only",
+        "total": {**total, "killed_rate": round(total["killed"] / judged, 3) if judged else None},
+        "modules": summary,
+        "mutants": sorted(mutants, key=lambda m: (m["module"], m["line"], m["col"])),
+    }
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=1)
+    print(json.dumps({"commit": commit[:12], "total": report["total"]}, indent=1))
+    for module, s in summary.items():
+        print(module, s)
+
+
+if __name__ == "__main__":
+    main()
