@@ -30,13 +30,12 @@ TESTS = {
                                   "tests/test_variable_mesh.py"],
     "jaxaccum/_arguments.py": [*REFERENCE, "tests/test_carry.py", "tests/test_accumulate.py",
                                "tests/test_frontends.py"],
-    "jaxaccum/_options.py": [*REFERENCE, *MESH, "tests/test_frontends.py",
-                             "tests/test_sharded.py"],
+    "jaxaccum/_options.py": [*REFERENCE, *MESH, "tests/test_frontends.py"],
     "jaxaccum/_coupled.py": [*REFERENCE, "tests/test_coupled.py", "tests/test_coupled_mesh.py"],
     "jaxaccum/_check.py": ["tests/test_check.py", "tests/test_contract.py"],
     "jaxaccum/packing.py": ["tests/test_packing.py"],
     "jaxaccum/_placement.py": [*REFERENCE, *MESH, "tests/test_guards.py",
-                               "tests/test_pipeline_placement.py", "tests/test_sharded.py"],
+                               "tests/test_pipeline_placement.py"],
 }
 ASSERTIONS = ("AssertionError", "assert ", "Failed: DID NOT RAISE", "Regex pattern did not match")
 
