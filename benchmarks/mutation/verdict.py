@@ -23,19 +23,22 @@ import xml.etree.ElementTree as ET
 REFERENCE = ["tests/test_reference.py", "tests/test_contract.py"]
 MESH = ["tests/test_reference_mesh.py"]
 TESTS = {
-    "jaxaccum/_reductions.py": [*REFERENCE, *MESH, "tests/test_guards.py",
-                                "tests/test_accumulate.py", "tests/test_multi_steps.py"],
+    "jaxaccum/_reductions.py": [*REFERENCE, *MESH, "tests/test_guards.py", "tests/test_carry.py",
+                                "tests/test_accumulate.py", "tests/test_frontends.py",
+                                "tests/test_multi_steps.py"],
     "jaxaccum/_noise.py": [*REFERENCE, *MESH, "tests/test_noise_scale.py"],
     "jaxaccum/_microbatches.py": [*REFERENCE, *MESH, "tests/test_variable.py",
                                   "tests/test_variable_mesh.py"],
     "jaxaccum/_arguments.py": [*REFERENCE, "tests/test_carry.py", "tests/test_accumulate.py",
                                "tests/test_frontends.py"],
-    "jaxaccum/_options.py": [*REFERENCE, *MESH, "tests/test_frontends.py"],
+    "jaxaccum/_options.py": [*REFERENCE, *MESH, "tests/test_carry.py", "tests/test_accumulate.py",
+                             "tests/test_frontends.py", "tests/test_data_parallel.py"],
     "jaxaccum/_coupled.py": [*REFERENCE, "tests/test_coupled.py", "tests/test_coupled_mesh.py"],
     "jaxaccum/_check.py": ["tests/test_check.py", "tests/test_contract.py"],
     "jaxaccum/packing.py": ["tests/test_packing.py"],
     "jaxaccum/_placement.py": [*REFERENCE, *MESH, "tests/test_guards.py",
-                               "tests/test_pipeline_placement.py"],
+                               "tests/test_pipeline_placement.py", "tests/test_data_parallel.py",
+                               "tests/test_variable_mesh.py", "tests/test_coupled_mesh.py"],
 }
 ASSERTIONS = ("AssertionError", "assert ", "Failed: DID NOT RAISE", "Regex pattern did not match")
 

@@ -1,0 +1,47 @@
+"""Runs the test command again on chosen mutants of a cosmic-ray session (its survivors and
+crashes, by default), e.g. after the test selection in ``verdict.py`` grew: each mutant's
+diff is applied to the clone, ``verdict.py`` judges it (appending to the verdict log), and the
+file is restored. ``report.py`` then keeps the newest verdict of each mutant.
+
+``python benchmarks/mutation/recheck.py session.sqlite verdicts.jsonl`` in the clone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sqlite3
+import subprocess
+import sys
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("session")
+    parser.add_argument("log")
+    parser.add_argument("--verdicts", default="survived,crashed")
+    args = parser.parse_args()
+    wanted = set(args.verdicts.split(","))
+    latest: dict[str, str] = {}
+    with open(args.log) as f:
+        for line in f:
+            v = json.loads(line)
+            latest[v["diff"].strip()] = v["verdict"]
+    db = sqlite3.connect(args.session)
+    diffs = [d for (d,) in db.execute("select diff from work_results where diff is not null")]
+    env = {**os.environ, "JAXACCUM_MUTATION_LOG": args.log}
+    for diff in diffs:
+        if latest.get(diff.strip(), "survived") not in wanted:
+            continue
+        subprocess.run(["git", "apply", "--unidiff-zero", "-"], input=diff, text=True,
+                       check=True)
+        try:
+            subprocess.run([sys.executable, "benchmarks/mutation/verdict.py"], env=env,
+                           check=False)
+        finally:
+            subprocess.run(["git", "checkout", "--", "jaxaccum"], check=True)
+
+
+if __name__ == "__main__":
+    main()
