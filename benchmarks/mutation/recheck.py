@@ -15,6 +15,8 @@ import sqlite3
 import subprocess
 import sys
 
+from report import key
+
 
 def main() -> None:
     parser = argparse.ArgumentParser()
@@ -23,19 +25,19 @@ def main() -> None:
     parser.add_argument("--verdicts", default="survived,crashed")
     args = parser.parse_args()
     wanted = set(args.verdicts.split(","))
-    latest: dict[str, str] = {}
+    latest: dict[tuple[str, ...], str] = {}
     with open(args.log) as f:
         for line in f:
             v = json.loads(line)
-            latest[v["diff"].strip()] = v["verdict"]
+            latest[key(v["diff"])] = v["verdict"]
     db = sqlite3.connect(args.session)
     diffs = [d for (d,) in db.execute("select diff from work_results where diff is not null")]
     env = {**os.environ, "JAXACCUM_MUTATION_LOG": args.log}
     for diff in diffs:
-        if latest.get(diff.strip(), "survived") not in wanted:
+        if latest.get(key(diff), "survived") not in wanted:
             continue
-        subprocess.run(["git", "apply", "--unidiff-zero", "-"], input=diff, text=True,
-                       check=True)
+        patch = diff.split("\n", 1)[1] if diff.startswith("--- mutation diff ---") else diff
+        subprocess.run(["git", "apply", "-"], input=patch, text=True, check=True)
         try:
             subprocess.run([sys.executable, "benchmarks/mutation/verdict.py"], env=env,
                            check=False)

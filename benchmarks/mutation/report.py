@@ -18,20 +18,36 @@ from collections import Counter, defaultdict
 from typing import Any
 
 
+# A mutant that cannot run at all: an operator its operands do not support (Python or JAX says
+# so at once). Loud by construction; reported apart from the crashes a test provoked.
+INCOMPETENT = ("unsupported operand type", "not supported between instances",
+               "does not accept dtype", "bad operand type")
+
+
+def key(diff: str) -> tuple[str, ...]:
+    """A mutant's identity in any diff format (cosmic-ray's, git's -U0): the file and the
+    changed lines, without context or headers."""
+    lines = (diff or "").splitlines()
+    path = next((line[6:] for line in lines if line.startswith("+++ b/")), "")
+    changed = [line.rstrip() for line in lines
+               if line[:1] in "+-" and not line.startswith(("+++", "---"))]
+    return (path, *changed)
+
+
 def load(session: str, log: str) -> list[dict[str, Any]]:
     db = sqlite3.connect(session)
     rows = db.execute(
         "select s.job_id, s.module_path, s.operator_name, s.start_pos_row, s.start_pos_col, "
         "r.worker_outcome, r.test_outcome, r.diff from mutation_specs s left join work_results r "
         "on s.job_id = r.job_id").fetchall()
-    verdicts: dict[str, dict[str, Any]] = {}
+    verdicts: dict[tuple[str, ...], dict[str, Any]] = {}
     with open(log) as f:
-        for line in f:
+        for line in f:  # the newest verdict of a mutant wins (recheck.py appends)
             v = json.loads(line)
-            verdicts[v["diff"].strip()] = v
+            verdicts[key(v["diff"])] = v
     out = []
     for job, path, op, row, col, worker, test, diff in rows:
-        v = verdicts.get((diff or "").strip())
+        v = verdicts.get(key(diff or ""))
         if worker is None:
             verdict = "not run"
         elif worker == "abnormal" or test == "incompetent":
@@ -42,6 +58,8 @@ def load(session: str, log: str) -> list[dict[str, Any]]:
             verdict = v["verdict"]
         else:
             verdict = "survived" if test == "survived" else str(test)
+        if verdict == "crashed" and any(t in (v or {}).get("message", "") for t in INCOMPETENT):
+            verdict = "incompetent"
         out.append({"job": job, "module": path, "operator": op, "line": row, "col": col,
                     "verdict": verdict, "test": (v or {}).get("test", ""),
                     "message": (v or {}).get("message", "")[:300], "diff": diff or ""})
@@ -67,19 +85,24 @@ def main() -> None:
     per: dict[str, Counter[str]] = defaultdict(Counter)
     for m in mutants:
         per[m["module"]][m["verdict"]] += 1
-    summary = {}
-    for module, c in sorted(per.items()):
+    def rates(c: Counter[str]) -> dict[str, Any]:
+        """Killed by an assertion over every judged mutant (equivalent, invalid and not run
+        left out), and over the competent ones (incompetent left out too)."""
         judged = sum(c.values()) - c["equivalent"] - c["invalid"] - c["not run"]
-        summary[module] = {**c, "killed_rate": round(c["killed"] / judged, 3) if judged else None}
+        competent = judged - c["incompetent"]
+        return {**c, "killed_rate": round(c["killed"] / judged, 3) if judged else None,
+                "killed_rate_competent": round(c["killed"] / competent, 3) if competent
+                else None}
+
+    summary = {module: rates(c) for module, c in sorted(per.items())}
     total: Counter[str] = sum(per.values(), Counter())
-    judged = sum(total.values()) - total["equivalent"] - total["invalid"] - total["not run"]
     report = {
         "commit": commit,
         "tool": "cosmic-ray 8.7 (benchmarks/mutation/cosmic-ray.toml)",
         "sample": "benchmarks/mutation/sample.py --size 300 --seed 20261201 (annotations left "
                   "out; proportional per module, at least 20), shards 0/2 and 1/2",
         "kill": "an assertion failed (verdict.py); crashed = another exception only",
-        "total": {**total, "killed_rate": round(total["killed"] / judged, 3) if judged else None},
+        "total": rates(total),
         "modules": summary,
         "mutants": sorted(mutants, key=lambda m: (m["module"], m["line"], m["col"])),
     }
