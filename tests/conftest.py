@@ -203,6 +203,17 @@ def mnist(tmp_path_factory):
     return gist.Mnist.load(str(tmp_path_factory.mktemp("tfds")), manual)
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_pyfunc_call(pyfuncitem):
+    """Input a test gives outside ``refuses`` is valid: jaxaccum refusing it (its own
+    ``ValueError``/``TypeError``, whose message names the entry point) breaks the promise that
+    only bad input is refused, and fails the test as an assertion saying so."""
+    outcome = yield
+    error = outcome.excinfo[1] if outcome.excinfo else None
+    if isinstance(error, (TypeError, ValueError)) and str(error).startswith("jaxaccum"):
+        outcome.force_exception(AssertionError(f"jaxaccum refused valid input: {error}"))
+
+
 @contextlib.contextmanager
 def refuses(kind, match: str | None = None) -> Iterator[types.SimpleNamespace]:
     """Like ``pytest.raises``, but any other exception, or a message that does not match, is

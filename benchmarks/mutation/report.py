@@ -51,12 +51,12 @@ def load(session: str, log: str) -> list[dict[str, Any]]:
             verdict = "not run"
         elif worker == "abnormal" or test == "incompetent":
             verdict = "invalid"  # the mutated module does not import (a syntax error)
-        elif test == "killed" and v is None:
+        elif (test or "").lower() == "killed" and v is None:
             verdict = "timeout"
         elif v is not None:
             verdict = v["verdict"]
         else:
-            verdict = "survived" if test == "survived" else str(test)
+            verdict = "survived" if (test or "").lower() == "survived" else str(test).lower()
         if verdict == "crashed" and any(t in (v or {}).get("message", "") for t in INCOMPETENT):
             verdict = "incompetent"
         out.append({"job": job, "module": path, "operator": op, "line": row, "col": col,
@@ -86,12 +86,17 @@ def main() -> None:
         per[m["module"]][m["verdict"]] += 1
     def rates(c: Counter[str]) -> dict[str, Any]:
         """Killed by an assertion over every judged mutant (equivalent, invalid and not run
-        left out), and over the competent ones (incompetent left out too)."""
+        left out), and over the competent ones (incompetent left out too); ``refused`` (valid
+        input refused by the library, failed as an assertion) counted apart, and with."""
         judged = sum(c.values()) - c["equivalent"] - c["invalid"] - c["not run"]
         competent = judged - c["incompetent"]
-        return {**c, "killed_rate": round(c["killed"] / judged, 3) if judged else None,
-                "killed_rate_competent": round(c["killed"] / competent, 3) if competent
-                else None}
+
+        def rate(n: int, d: int) -> float | None:
+            return round(n / d, 3) if d else None
+
+        return {**c, "killed_rate": rate(c["killed"], judged),
+                "killed_rate_competent": rate(c["killed"], competent),
+                "killed_or_refused_rate_competent": rate(c["killed"] + c["refused"], competent)}
 
     summary = {module: rates(c) for module, c in sorted(per.items())}
     total: Counter[str] = sum(per.values(), Counter())
