@@ -225,14 +225,14 @@ def test_too_long_sequence():
 
 
 def test_too_many_microbatches():
-    seqs = [np.arange(4)] * 5  # 5 rows of length 4: 3 micro-batches of 2 rows
+    seqs = [np.arange(4)] * 7  # 7 rows of length 4: 4 micro-batches of 2 rows
     with refuses(ValueError, match=(
-            r"^jaxaccum\.packing\.pack: sequences: the 5 sequences \(20 "
-                       r"tokens\) need 5 rows of length=4, 3 micro-batches of rows=2; expected "
-                       r"at most max_microbatches=2 \(4 rows\)\. Pass fewer sequences per call "
-                       r".* or raise max_microbatches to at least 3$")):
-        pack(seqs, rows=2, length=4, max_microbatches=2)
-    check_packed(pack(seqs, rows=2, length=4, max_microbatches=3), seqs, rows=2, length=4)
+            r"^jaxaccum\.packing\.pack: sequences: the 7 sequences \(28 "
+                       r"tokens\) need 7 rows of length=4, 4 micro-batches of rows=2; expected "
+                       r"at most max_microbatches=3 \(6 rows\)\. Pass fewer sequences per call "
+                       r".* or raise max_microbatches to at least 4$")):
+        pack(seqs, rows=2, length=4, max_microbatches=3)
+    check_packed(pack(seqs, rows=2, length=4, max_microbatches=4), seqs, rows=2, length=4)
 
 
 @pytest.mark.parametrize("sequences,error,message", [
@@ -386,14 +386,14 @@ def test_attention_mask_definition():
                 assert mask[m, r, q, k] == expected
 
 
-def test_token_and_sequence_mean_match_float64():
+@pytest.mark.parametrize("length", [16, 15])  # rows of odd length too
+def test_token_and_sequence_mean_match_float64(length):
     """Against float64 NumPy. Error bound: the losses are positive, so a float32 sum of n
     terms is within (n - 1) eps32 of the exact sum, relatively; a division adds eps32. The
     token mean sums N = all real tokens: (N + 1) eps32. The sequence mean sums at most
     ``length`` terms per sequence, divides, then sums S sequence means and divides:
     (length + S + 2) eps32."""
     rng = np.random.default_rng(11)
-    length = 16
     packed = pack(random_sequences(rng, zipf_lengths(rng, 40, length)), rows=3, length=length)
     seg = packed.segment_ids
     loss = rng.exponential(size=seg.shape).astype(np.float32)
