@@ -641,3 +641,16 @@ def test_value_and_grad_weighted_over_packed_microbatches(normalisation_case, wh
                       .reshape(-1, LENGTH) for a in batch))
     _, _, bound = rounding_error_ratio(naive[1], full32[1], ref64[1])
     assert max_rel_diff(naive[1], ref64[1]) > 100 * bound
+
+
+@pytest.mark.parametrize("length", [15, 16])
+def test_sequence_mean_of_rows_full_of_one_token_sequences(length):
+    """Every row holds ``length`` sequences of one token: each sequence's mean is its token,
+    so the mean over sequences is the mean over tokens (float64 within (length + S + 2) eps)."""
+    rng = np.random.default_rng(5)
+    seg = np.tile(np.arange(1, length + 1, dtype=np.int32), (3, 1))
+    loss = rng.exponential(size=seg.shape).astype(np.float32)
+    value, weight = sequence_mean(loss, seg)
+    exact = float(np.mean(loss, dtype=np.float64))
+    assert float(weight) == seg.size
+    assert abs(float(value) - exact) <= (length + seg.size + 2) * EPS32 * exact
