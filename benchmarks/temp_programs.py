@@ -27,9 +27,10 @@ p = {"w1": jnp.asarray(rng.normal(size=(784, 100)) / 30, jnp.float32),
      "w2": jnp.asarray(rng.normal(size=(100, 10)) / 10, jnp.float32)}
 opt = optax.adam(1e-3)
 for B in (64, 1024):
-    x = jnp.ones((B, 784)); y = jnp.ones((B, 10)); m = jnp.ones(B)
+    x, y, m = jnp.ones((B, 784)), jnp.ones((B, 10)), jnp.ones(B)
     for k in (1, 4, 16, 64):
-        if B % k: continue
+        if B % k:
+            continue
         step = jaxaccum.train_step(mlp_loss, opt, num_microbatches=k, donate=True)
         c = step.lower(p, opt.init(p), (x, y)).compile()
         out[f"gist B={B} k={k}"] = c.memory_analysis().temp_size_in_bytes
@@ -47,7 +48,8 @@ w = jnp.asarray(rng.normal(size=(64, 32)) / 8, jnp.float32)
 xs = jnp.ones((512, 64))
 for k in (1, 8):
     fn = jax.jit(jaxaccum.coupled_value_and_grad(enc, clip, num_microbatches=k))
-    out[f"coupled CLIP B=512 k={k}"] = fn.lower(w, xs).compile().memory_analysis().temp_size_in_bytes
+    compiled = fn.lower(w, xs).compile()
+    out[f"coupled CLIP B=512 k={k}"] = compiled.memory_analysis().temp_size_in_bytes
 name = sys.argv[1] if len(sys.argv) > 1 else "current"
 with open(f"benchmarks/results/temp_programs-{name}.json", "w") as f:
     json.dump(out, f, indent=1)
