@@ -4,6 +4,8 @@ accumulated as if it were not, and a step fed one micro-batch's gradient are eac
 from __future__ import annotations
 
 import jax
+import numpy as np
+import pytest
 from conftest import mlp_params, mse_loss, random_batch, refuses
 from test_coupled import clip_data, clip_loss, encode, raw_keys
 
@@ -19,13 +21,22 @@ def test_a_correct_step_passes_with_its_numbers():
     assert report.reductions == report.reductions_in_loops == 0  # one device
 
 
-def test_a_gradient_scaled_wrong_is_named_with_its_factor():
+@pytest.mark.parametrize("factor", [2, 8, 0.5])
+def test_a_gradient_scaled_wrong_is_named_with_its_factor(factor):
     k = 8
-    summed = jaxaccum.value_and_grad(lambda p, b: k * mse_loss(p, b), num_microbatches=k)
-    report = jaxaccum.check(mse_loss, PARAMS, BATCH, step=summed, num_microbatches=k)
+    scaled = jaxaccum.value_and_grad(lambda p, b: factor * mse_loss(p, b), num_microbatches=k)
+    report = jaxaccum.check(mse_loss, PARAMS, BATCH, step=scaled, num_microbatches=k)
     assert not report.ok
-    assert abs(report.scale - 8) < 1e-4
-    assert "the gradient is 8 times the full batch's" in report.problems[0]
+    assert abs(report.scale - factor) < 1e-4 * factor
+    assert f"the gradient is {factor:.4g} times the full batch's" in report.problems[0]
+
+
+def test_the_bound_is_ten_full_batch_errors_plus_sixteen_ulps():
+    """The documented bound, from the report's own numbers."""
+    report = jaxaccum.check(mse_loss, PARAMS, BATCH, num_microbatches=8)
+    eps32 = float(np.finfo(np.float32).eps)
+    assert report.bound == pytest.approx(10 * report.full_batch_error + 16 * eps32, rel=1e-12)
+    assert report.full_batch_error > 0  # float32 rounds: the bound is not the floor alone
 
 
 def test_only_the_last_microbatch_reaching_the_optimizer_is_caught():

@@ -654,3 +654,11 @@ def test_sequence_mean_of_rows_full_of_one_token_sequences(length):
     exact = float(np.mean(loss, dtype=np.float64))
     assert float(weight) == seg.size
     assert abs(float(value) - exact) <= (length + seg.size + 2) * EPS32 * exact
+
+
+def test_attention_mask_of_one_row_given_without_batch_axes():
+    """``(..., length)`` segment ids: a single row of shape ``(length,)`` is masked as the
+    same row inside a batch."""
+    seg = jnp.array([1, 1, 2, 2, 2, 0])
+    np.testing.assert_array_equal(attention_mask(seg), attention_mask(seg[None])[0])
+    assert attention_mask(seg).shape == (6, 6)

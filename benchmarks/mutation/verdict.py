@@ -34,7 +34,8 @@ TESTS = {
     "jaxaccum/_options.py": [*REFERENCE, *MESH, "tests/test_carry.py", "tests/test_accumulate.py",
                              "tests/test_frontends.py", "tests/test_data_parallel.py"],
     "jaxaccum/_coupled.py": [*REFERENCE, "tests/test_coupled.py", "tests/test_coupled_mesh.py"],
-    "jaxaccum/_check.py": ["tests/test_check.py", "tests/test_contract.py"],
+    "jaxaccum/_check.py": ["tests/test_check.py", "tests/test_contract.py",
+                           "tests/test_coupled_mesh.py"],
     "jaxaccum/packing.py": ["tests/test_packing.py"],
     "jaxaccum/_placement.py": [*REFERENCE, *MESH, "tests/test_guards.py",
                                "tests/test_pipeline_placement.py", "tests/test_data_parallel.py",
@@ -55,7 +56,7 @@ def mutated() -> tuple[str, str]:
 
 def main() -> int:
     name, diff = mutated()
-    tests = TESTS.get(name, REFERENCE)
+    tests = [*TESTS.get(name, REFERENCE), name]  # the module's own doctests too
     with tempfile.NamedTemporaryFile(suffix=".xml") as junit:
         try:
             proc = subprocess.run(

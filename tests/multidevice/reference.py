@@ -62,6 +62,27 @@ def scenario(rng: np.random.Generator, axes: str) -> Scenario:
                     bool(rng.integers(2)), skip, aux, noise)
 
 
+def fixed(axes: str) -> list[Scenario]:
+    """Every reduced aux over the devices, once with a NaN that must win max and min, once
+    weighted with an empty share, whatever the random draws."""
+    rng = np.random.default_rng(3)
+    b, k = 32, 2
+    x = rng.normal(size=(b, D)).astype(np.float32)
+    y = rng.normal(size=(b,)).astype(np.float32)
+    w = (rng.normal(size=(D,)) / 2).astype(np.float32)
+    m = rng.choice(np.array([1.0, 2.0], np.float32), size=b)
+    every = {"res": "concat", "avg": "last", "pos": "max", "half": "min"}
+    others = {"res": "stack", "avg": "weighted_mean", "pos": "last", "half": "sum"}
+    nan = x.copy()
+    nan[5, 0] = np.nan
+    empty = m.copy()
+    empty[:4] = 0.0  # device 0's share of both micro-batches
+    return [Scenario(x, y, m, w, k, None, False, False, every, axes == "auto"),
+            Scenario(nan, y, m, w, k, None, False, False, every, False),
+            Scenario(x, y, empty, w, k, None, True, False, others, axes == "auto"),
+            Scenario(x, y, m, w, k, 1, True, False, every, axes == "auto")]
+
+
 def gathered_argument(mesh: Any) -> float:
     """A non-batch argument sharded over the data axis is used whole by every device (the
     docs: arguments other than the batch are passed whole): the relative gradient error
@@ -92,8 +113,8 @@ def main() -> None:
         mesh = jax.make_mesh((DEVICES,), ("data",), axis_types=(kind,))
         rng = np.random.default_rng(0)
         ran, failures = 0, []
-        for n in range(cases):
-            s = scenario(rng, axes)
+        scenarios = [*fixed(axes), *(scenario(rng, axes) for _ in range(cases))]
+        for n, s in enumerate(scenarios):
             if axes == "auto":  # the reference's units: each device's share of a micro-batch
                 s = dataclasses.replace(s, shards=DEVICES)
             for front in FRONTS[axes]:
