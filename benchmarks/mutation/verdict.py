@@ -63,7 +63,8 @@ def main() -> int:
                 [sys.executable, "-m", "pytest", "-x", "-q", "-n0", "-p", "no:cacheprovider",
                  "--no-header", f"--junitxml={junit.name}", *tests],
                 capture_output=True, text=True, timeout=TIMEOUT.get(name, 240),
-                env={**os.environ, "JAXACCUM_REFERENCE_EXAMPLES": "6"})
+                env={**os.environ, "JAXACCUM_REFERENCE_EXAMPLES": "6",
+                     "JAXACCUM_REFERENCE_MESH_CASES": "2"})
         except subprocess.TimeoutExpired:  # a loop that never ends: detected, not asserted
             proc = None
         verdict, where, what = "survived", "", ""
