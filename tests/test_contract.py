@@ -319,3 +319,26 @@ def test_a_runtime_count_reads_the_stack_where_it_lies():
     stack = jaxaccum.Microbatches((x.reshape(k, m, d), y.reshape(k, m)), jnp.int32(k))
     runtime = temp(jaxaccum.value_and_grad(mlp_loss, max_microbatches=k), w, stack)
     assert runtime <= fixed + 4096, (runtime, fixed, x.nbytes + y.nbytes)
+
+
+def test_a_count_that_is_not_a_scalar_is_refused_by_every_step():
+    stack = (jnp.ones((4, 2, 3)), jnp.ones((4, 2)))
+    sgd = optax.sgd(0.1)
+    with refuses(TypeError, match="Microbatches.count must be an integer scalar"):
+        jaxaccum.train_step(loss, sgd, max_microbatches=4)(
+            W, sgd.init(W), jaxaccum.Microbatches(stack, np.array([1, 2])))
+
+
+def test_a_mesh_without_data_axis_is_refused_with_the_first_axis_as_example():
+    mesh = jax.make_mesh((1, 1), ("batch", "model"))
+    with refuses(ValueError, match=r"e\.g\. DataParallel\(mesh, data_axis='batch'\)"):
+        jaxaccum.DataParallel(mesh)
+
+
+def test_new_carry_of_the_wrong_kind_is_named():
+    def bad(w, b, c, d):
+        return loss(w, b), {"c": c}  # new_carry must be a tuple of 2 values
+
+    with refuses(TypeError, match="new_carry must be a tuple of 2 values; got dict"):
+        jaxaccum.value_and_grad(bad, num_microbatches=2, carry_argnums=(2, 3))(
+            W, batch(), jnp.zeros(()), jnp.zeros(()))
