@@ -40,6 +40,7 @@ def main() -> None:
         if latest.get(key(diff), "survived") not in wanted:
             continue
         patch = diff.split("\n", 1)[1] if diff.startswith("--- mutation diff ---") else diff
+        patch = patch if patch.endswith("\n") else patch + "\n"
         subprocess.run(["git", "apply", "-"], input=patch, text=True, check=True)
         try:
             subprocess.run([sys.executable, "benchmarks/mutation/verdict.py"], env=env,
