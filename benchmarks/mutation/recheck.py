@@ -41,7 +41,9 @@ def main() -> None:
             continue
         patch = diff.split("\n", 1)[1] if diff.startswith("--- mutation diff ---") else diff
         patch = patch if patch.endswith("\n") else patch + "\n"
-        subprocess.run(["git", "apply", "-"], input=patch, text=True, check=True)
+        if subprocess.run(["git", "apply", "-"], input=patch, text=True).returncode:
+            print("not applied:", diff.splitlines()[1:3], flush=True)
+            continue
         try:
             subprocess.run([sys.executable, "benchmarks/mutation/verdict.py"], env=env,
                            check=False)
