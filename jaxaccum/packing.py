@@ -16,6 +16,7 @@ the exact mean over every item of every micro-batch, as one unpacked batch would
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, NamedTuple
@@ -73,71 +74,49 @@ class Packed(NamedTuple):
 
 
 class _BestFit:
-    """Best fit over rows of ``length`` tokens, in O(log length) a placement.
+    """Best fit over rows of ``length`` tokens: each sequence goes to the open row with the
+    least free space that still holds it.
 
-    The open rows are bucketed by their free space (an integer in ``1 .. length``); a Fenwick
-    tree counts the rows per free space, so the tightest row with room for ``size`` tokens (the
-    smallest free space >= size) is found by one prefix sum and one descent. Rows with no
-    free space leave the structure. With ``max_rows`` no row is opened past that many.
+    The open rows are bucketed by their free space (an integer in ``1 .. length``) and the
+    distinct free spaces kept sorted, so the tightest row is one binary search (``bisect``);
+    within a bucket the row filled last is taken first. Rows with no free space leave the
+    structure. With ``max_rows`` no row is opened past that many.
     """
 
     def __init__(self, length: int, max_rows: int | None = None) -> None:
         self.length = length
         self.max_rows = max_rows
-        self.counts = [0] * (length + 1)  # the Fenwick tree, 1-based over free space
-        self.rows_at: list[list[int]] = [[] for _ in range(length + 1)]
+        self.spaces: list[int] = []  # the distinct free spaces of open rows, ascending
+        self.rows_at: dict[int, list[int]] = {}  # free space -> the open rows with it
         self.used: list[int] = []  # tokens placed in each row, rows in the order opened
-        self.open = 0  # rows with free space left
-        self.top = 1 << (length.bit_length() - 1)
-
-    def _add(self, space: int, delta: int) -> None:
-        while space <= self.length:
-            self.counts[space] += delta
-            space += space & -space
-
-    def _below(self, space: int) -> int:
-        """How many open rows have a free space <= ``space``."""
-        total = 0
-        while space > 0:
-            total += self.counts[space]
-            space -= space & -space
-        return total
-
-    def _kth(self, k: int) -> int:
-        """The smallest free space s with ``_below(s) >= k`` (1 <= k <= self.open)."""
-        pos, step = 0, self.top
-        while step:
-            nxt = pos + step
-            if nxt <= self.length and self.counts[nxt] < k:
-                pos = nxt
-                k -= self.counts[nxt]
-            step >>= 1
-        return pos + 1
 
     @property
     def full(self) -> bool:
         """No row can take another token."""
-        return self.open == 0 and self.max_rows is not None and len(self.used) >= self.max_rows
+        return not self.spaces and self.max_rows is not None and len(self.used) >= self.max_rows
 
     def place(self, size: int) -> int | None:
         """Puts ``size`` tokens (1 <= size <= length) in the tightest row they fit, opening a
         row if none has room; returns the row, or None if no row has room and none may open."""
-        smaller = self._below(size - 1)
-        if smaller < self.open:
-            space = self._kth(smaller + 1)
-            row = self.rows_at[space].pop()
-            self._add(space, -1)
-            self.open -= 1
+        i = bisect.bisect_left(self.spaces, size)
+        if i < len(self.spaces):
+            space = self.spaces[i]
+            bucket = self.rows_at[space]
+            row = bucket.pop()
+            if not bucket:
+                del self.rows_at[space], self.spaces[i]
         elif self.max_rows is None or len(self.used) < self.max_rows:
             row, space = len(self.used), self.length
             self.used.append(0)
         else:
             return None
         self.used[row] += size
-        if space > size:
-            self.rows_at[space - size].append(row)
-            self._add(space - size, 1)
-            self.open += 1
+        left = space - size
+        if left:
+            if left not in self.rows_at:
+                bisect.insort(self.spaces, left)
+                self.rows_at[left] = []
+            self.rows_at[left].append(row)
         return row
 
 
