@@ -134,24 +134,25 @@ def check(
     error, full_error = _rel(got, ref64), _rel(full32, ref64)
     bound = FACTOR * full_error + FLOOR * EPS32
     scale = _scale(got[1], ref64[1])
-    rescaled = error if scale == 0 else _rel(
+    grad_error = _rel(got[1], ref64[1])
+    rescaled = grad_error if scale == 0 else _rel(
         jax.tree.map(lambda g: np.asarray(g, np.float64) / scale, got[1]), ref64[1])
     groups = _data_groups(opts)
     red = _hlo.gradient_reductions(hlo, groups) if groups else {"total": 0, "in loops": 0}
-    problems = _explain(error, bound, scale, rescaled, red, opts)
+    problems = _explain(error, bound, scale, grad_error > bound >= rescaled, red, opts)
     return CheckReport(not problems, problems, error, full_error, bound, scale, red["total"],
                        red["in loops"])
 
 
-def _explain(error: float, bound: float, scale: float, rescaled: float, red: dict[str, int],
+def _explain(error: float, bound: float, scale: float, scaled: bool, red: dict[str, int],
              opts: _options.Options) -> list[str]:
-    """The problems, in plain words (``rescaled``: the gradient's error once divided by
-    ``scale``)."""
+    """The problems, in plain words (``scaled``: the gradient is wrong, and right once divided
+    by ``scale``)."""
     problems = []
     if error > bound:
-        if abs(scale - 1) > 1e-3 and rescaled <= bound:
+        if scaled:
             problems.append(
-                f"the gradient is {scale:.4g} times the full batch's (a mean taken as a sum, or a "
+                f"the gradient is {scale:.6g} times the full batch's (a mean taken as a sum, or a "
                 "division by k done twice or not at all): divide once by the total weight")
         else:
             problems.append(

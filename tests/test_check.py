@@ -21,14 +21,16 @@ def test_a_correct_step_passes_with_its_numbers():
     assert report.reductions == report.reductions_in_loops == 0  # one device
 
 
-@pytest.mark.parametrize("factor", [2, 8, 0.5])
+@pytest.mark.parametrize("factor", [2, 8, 0.5, 1.0005, 0.9995, -1])
 def test_a_gradient_scaled_wrong_is_named_with_its_factor(factor):
+    """Any factor other than 1, however close to it (the error is still far past float32's),
+    or negative."""
     k = 8
     scaled = jaxaccum.value_and_grad(lambda p, b: factor * mse_loss(p, b), num_microbatches=k)
     report = jaxaccum.check(mse_loss, PARAMS, BATCH, step=scaled, num_microbatches=k)
     assert not report.ok
-    assert abs(report.scale - factor) < 1e-4 * factor
-    assert f"the gradient is {factor:.4g} times the full batch's" in report.problems[0]
+    assert abs(report.scale - factor) < 1e-4 * abs(factor)
+    assert f"the gradient is {factor:.6g} times the full batch's" in report.problems[0]
 
 
 def test_the_bound_is_ten_full_batch_errors_plus_sixteen_ulps():
@@ -37,6 +39,20 @@ def test_the_bound_is_ten_full_batch_errors_plus_sixteen_ulps():
     eps32 = float(np.finfo(np.float32).eps)
     assert report.bound == pytest.approx(10 * report.full_batch_error + 16 * eps32, rel=1e-12)
     assert report.full_batch_error > 0  # float32 rounds: the bound is not the floor alone
+
+
+def test_a_wrong_loss_with_the_right_gradient_is_not_called_a_scaled_gradient():
+    """The gradient is the full batch's (scale 1); only the reported loss is off."""
+    right = jaxaccum.value_and_grad(mse_loss, num_microbatches=8)
+
+    def wrong_loss(p, b):
+        value, grads = right(p, b)
+        return value * 1.01, grads
+
+    report = jaxaccum.check(mse_loss, PARAMS, BATCH, step=wrong_loss, num_microbatches=8)
+    assert not report.ok and abs(report.scale - 1) < 1e-5
+    assert "the loss and gradient differ from the full batch's" in report.problems[0]
+    assert "times the full batch's" not in report.problems[0]
 
 
 def test_only_the_last_microbatch_reaching_the_optimizer_is_caught():

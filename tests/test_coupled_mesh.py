@@ -35,13 +35,22 @@ def test_coupled_loss_on_meshes_equals_one_device_and_keeps_loops_local(out, cas
     assert 0 < gathered <= r["reps_bytes"], r["collectives"]
 
 
-def test_check_passes_jaxaccum_and_names_a_reduction_per_microbatch(out):
-    """jaxaccum.check on an Auto (8,) mesh: jaxaccum's step reduces once, after the loop; a jit
-    of a scan over the sharded micro-batches reduces every micro-batch's gradient in it."""
-    ours, naive = out["check"]["jaxaccum"], out["check"]["naive_scan"]
+@pytest.mark.parametrize("mesh", ["", "two_axes_"])
+def test_check_passes_jaxaccum_and_names_a_reduction_per_microbatch(out, mesh):
+    """jaxaccum.check on an Auto (8,) mesh, and a (2, 4) mesh with both axes data axes:
+    jaxaccum's step reduces once, after the loop; a jit of a scan over the sharded
+    micro-batches reduces every micro-batch's gradient in it."""
+    ours, naive = out["check"][mesh + "jaxaccum"], out["check"][mesh + "naive_scan"]
     assert ours["ok"] and ours["reductions"] >= 1 and ours["in_loops"] == 0
     assert not naive["ok"] and naive["in_loops"] >= 1
     assert "inside a loop, once per micro-batch" in naive["problems"][0]
+
+
+def test_check_accepts_the_reductions_per_microbatch_that_zero3_asks_for(out):
+    """fsdp="microbatch" reduce-scatters every micro-batch's gradient by design: check counts
+    those reductions and does not call them a problem."""
+    r = out["check"]["zero3"]
+    assert r["in_loops"] >= 1 and r["ok"] and not r["problems"], r
 
 
 @pytest.mark.parametrize("axes", ["auto", "explicit"])

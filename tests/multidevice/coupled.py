@@ -137,10 +137,10 @@ def statistics_first_on_meshes() -> dict[str, Any]:
 
 
 def check_on_a_mesh(params: Params, batch: Any) -> dict[str, Any]:
-    """jaxaccum.check on an Auto (8,) mesh: jaxaccum's step, and a jit of a scan over
-    micro-batches of the sharded batch (the partitioner reduces every micro-batch's gradient
-    in the loop)."""
-    mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
+    """jaxaccum.check on Auto meshes, the (8,) ``data`` mesh and a (2, 4) mesh whose two axes
+    both split the batch (``data_axis=("replica", "data")``: a reduction over all 8 devices
+    is one over the data axes): jaxaccum's step, and a jit of a scan over micro-batches of the
+    sharded batch (the partitioner reduces every micro-batch's gradient in the loop)."""
     k = 4
 
     def mse(p: Params, b: Any) -> jax.Array:  # a per-example loss
@@ -161,14 +161,29 @@ def check_on_a_mesh(params: Params, batch: Any) -> dict[str, Any]:
         return jax.tree.map(lambda t: t / k, total)
 
     out: dict[str, Any] = {}
+    meshes = {"": ((8,), ("data",)), "two_axes_": ((2, 4), ("replica", "data"))}
+    for prefix, (shape, names) in meshes.items():
+        mesh = jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(names))
+        dp = jaxaccum.DataParallel(mesh, data_axis=names)
+        with jax.set_mesh(mesh):
+            p = jax.device_put(params, NamedSharding(mesh, P()))
+            b = jax.device_put(batch, NamedSharding(mesh, P(names)))
+            for name, step in (("jaxaccum", None), ("naive_scan", naive)):
+                report = jaxaccum.check(mse, p, b, step=step, num_microbatches=k, mesh=dp)
+                out[prefix + name] = {"ok": report.ok, "problems": report.problems,
+                                      "reductions": report.reductions,
+                                      "in_loops": report.reductions_in_loops}
+    # ZeRO-3: fsdp="microbatch" reduce-scatters each micro-batch's gradient, by design
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
+    tower = {"w1": P("data", None), "w2": P("data", None)}
+    specs = {"img": tower, "txt": tower, "log_t": P()}
+    dp = jaxaccum.DataParallel(mesh, fsdp="microbatch", param_shardings=specs)
     with jax.set_mesh(mesh):
-        p = jax.device_put(params, NamedSharding(mesh, P()))
+        p = jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), params, specs)
         b = jax.device_put(batch, NamedSharding(mesh, P("data")))
-        for name, step in (("jaxaccum", None), ("naive_scan", naive)):
-            report = jaxaccum.check(mse, p, b, step=step, num_microbatches=k, mesh=mesh)
-            out[name] = {"ok": report.ok, "problems": report.problems,
-                         "reductions": report.reductions,
-                         "in_loops": report.reductions_in_loops}
+        report = jaxaccum.check(mse, p, b, num_microbatches=k, mesh=dp)
+    out["zero3"] = {"ok": report.ok, "problems": report.problems,
+                    "in_loops": report.reductions_in_loops}
     return out
 
 
