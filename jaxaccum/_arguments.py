@@ -112,9 +112,12 @@ class Accumulation:
             )
         new = out[1] if len(self.carry) > 1 else (out[1],)
         if not (isinstance(new, (tuple, list)) and len(new) == len(self.carry)):
+            got = type(out[1]).__name__
+            if isinstance(out[1], (tuple, list)):
+                got += f" of {len(out[1])}"
             raise TypeError(
                 f"{self.entry}: with carry_argnums={self.carry}, new_carry must be a tuple of "
-                f"{len(self.carry)} values; got {type(out[1]).__name__}"
+                f"{len(self.carry)} values, one per carried argument; got {got}"
             )
         return out[0], tuple(new)
 

@@ -335,10 +335,12 @@ def test_a_mesh_without_data_axis_is_refused_with_the_first_axis_as_example():
         jaxaccum.DataParallel(mesh)
 
 
-def test_new_carry_of_the_wrong_kind_is_named():
+@pytest.mark.parametrize("new, got", [(lambda c: {"c": c}, "dict"), (lambda c: (c,), "tuple of 1"),
+                                      (lambda c: [c, c, c], "list of 3")])
+def test_new_carry_of_the_wrong_kind_or_length_is_named(new, got):
     def bad(w, b, c, d):
-        return loss(w, b), {"c": c}  # new_carry must be a tuple of 2 values
+        return loss(w, b), new(c)  # new_carry must be a tuple of 2 values
 
-    with refuses(TypeError, match="new_carry must be a tuple of 2 values; got dict"):
+    with refuses(TypeError, match=f"new_carry must be a tuple of 2 values.*; got {got}$"):
         jaxaccum.value_and_grad(bad, num_microbatches=2, carry_argnums=(2, 3))(
             W, batch(), jnp.zeros(()), jnp.zeros(()))

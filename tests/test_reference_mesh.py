@@ -21,7 +21,10 @@ def out():
 def test_every_front_end_on_a_mesh_gives_the_documented_result(out, axes):
     r = out[axes]
     assert r["checks"] >= CASES * 4
-    assert not r["failures"], "\n\n".join(r["failures"])
+    wrong = [f["text"] for f in r["failures"] if f["asserted"]]
+    assert not wrong, "\n\n".join(wrong)
+    if r["failures"]:  # only exceptions: a crash, not a wrong result
+        raise RuntimeError("\n\n".join(f["text"] for f in r["failures"]))
     # float32 rounding of a 32-example mean (~1e-7); a device using its eighth of the table
     # is off by O(1)
     assert r["gathered_argument_rel"] <= 1e-5

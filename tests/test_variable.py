@@ -8,6 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from conftest import (
     assert_within_rounding,
     full_and_reference,
@@ -140,6 +142,50 @@ def test_microbatches_helper_pads_the_last_short_batch():
         jaxaccum.microbatches(x, microbatch_size=2, max_microbatches=4)
     with refuses(ValueError, match="microbatch_size=3 must divide the batch's 10"):
         jaxaccum.microbatches(x, microbatch_size=3, max_microbatches=4)
+
+
+@settings(max_examples=60, deadline=None)
+@given(real=st.integers(0, 6), m=st.integers(1, 4), spare=st.integers(-2, 3),
+       rest=st.integers(0, 3), tail=st.sampled_from([(), (3,), (2, 2)]),
+       dtype=st.sampled_from([np.float32, np.int32, np.bool_]))
+def test_microbatches_stacks_as_documented(real, m, spare, rest, tail, dtype):
+    """``microbatches(batch, m, K)``: leaves ``(K, m, ...)``, the first ``n / m`` the batch's
+    consecutive micro-batches, the rest zeros, ``count = n / m``; refused when ``m`` does not
+    divide ``n`` or ``n / m > K``."""
+    n = real * m + (rest % m)
+    k = max(real + spare, 1)
+    x = (np.arange(n * int(np.prod(tail))).reshape(n, *tail) % 5 + 1).astype(dtype)
+    batch = {"x": x, "y": np.arange(1, n + 1, dtype=np.int32)}  # nonzero: padding shows
+    if n % m:
+        with refuses(ValueError, match=f"microbatch_size={m} must divide the batch's {n}"):
+            jaxaccum.microbatches(batch, microbatch_size=m, max_microbatches=k)
+        return
+    if real > k:
+        with refuses(ValueError, match=f"holds {real} micro-batches of {m}, more than "
+                                       f"max_microbatches={k}"):
+            jaxaccum.microbatches(batch, microbatch_size=m, max_microbatches=k)
+        return
+    mb = jaxaccum.microbatches(batch, microbatch_size=m, max_microbatches=k)
+    assert np.shape(mb.count) == () and mb.count.dtype == np.int32 and int(mb.count) == real
+    for name, leaf in batch.items():
+        got = mb.data[name]
+        assert got.shape == (k, m, *leaf.shape[1:]) and got.dtype == leaf.dtype
+        np.testing.assert_array_equal(got[:real].reshape(leaf.shape), leaf)
+        assert not np.any(got[real:])
+
+
+def test_microbatches_of_an_empty_tree_count_none():
+    mb = jaxaccum.microbatches((), microbatch_size=2, max_microbatches=3)
+    assert mb.data == () and int(mb.count) == 0
+
+
+def test_stacks_with_different_microbatch_sizes_are_refused():
+    params = mlp_params(jax.random.key(5))
+    x, y = stack_data()
+    fn = jaxaccum.value_and_grad(mse_loss, max_microbatches=K)
+    with refuses(ValueError, match=r"the same micro-batch size m \(axis 1\); argument 1 has "
+                                   r"the sizes \[1, 8\]"):
+        fn(params, jaxaccum.Microbatches((x, y[:, :1]), 2))
 
 
 def test_bad_inputs_say_what_to_do():

@@ -120,8 +120,9 @@ def main() -> None:
             for front in FRONTS[axes]:
                 try:
                     check(front, s, mesh)
-                except Exception:  # noqa: BLE001 - reported with the scenario
-                    failures.append(f"case {n} {front}: {traceback.format_exc()[-1500:]}")
+                except Exception as error:  # noqa: BLE001 - reported with the scenario
+                    failures.append({"asserted": isinstance(error, AssertionError),
+                                     "text": f"case {n} {front}: {traceback.format_exc()[-1500:]}"})
                 ran += 1
         out[axes] = {"checks": ran, "failures": failures,
                      "gathered_argument_rel": gathered_argument(mesh)}
