@@ -25,8 +25,19 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 _DEVICE_FLAG = "--xla_force_host_platform_device_count"
 
 
-class ProgramError(AssertionError):
+class ProgramError(RuntimeError):
     """A program exited with an error, timed out, or printed no JSON."""
+
+
+class ProgramAssertionError(ProgramError, AssertionError):
+    """A program failed on an assertion: a test's own check, not a crash."""
+
+
+def failed_on(stderr: str) -> str:
+    """The exception a Python program died of: the first unindented line after its last
+    traceback header ("" if none)."""
+    _, _, rest = stderr.rpartition("Traceback (most recent call last):")
+    return next((line for line in rest.splitlines()[1:] if line and not line[0].isspace()), "")
 
 
 def free_port() -> int:
@@ -113,7 +124,9 @@ def run_program(
             if timed_out
             else f"exited with {procs[failed].returncode}"
         )
-        raise ProgramError(f"{where} {what}; stderr:\n{_tail(outputs[failed][1])}")
+        error = failed_on(outputs[failed][1])
+        kind = ProgramAssertionError if error.startswith("AssertionError") else ProgramError
+        raise kind(f"{where} {what} ({error[:200]}); stderr:\n{_tail(outputs[failed][1])}")
     out, err = outputs[0]
     lines = out.strip().splitlines()
     try:

@@ -54,15 +54,44 @@ def all_steps(**options):
     """Every step, each called once on the same batch: name -> (loss, info)."""
     sgd = optax.sgd(0.1)
     out = {}
-    _, _, value, info = jaxaccum.train_step(loss, sgd, **options)(W, sgd.init(W), batch())
-    out["train_step"] = value, info
     model = Linear()
     out["nnx.train_step"] = jaxaccum.nnx.train_step(nnx_loss, **options)(
         model, nnx.Optimizer(model, sgd, wrt=nnx.Param), batch())
     state = train_state.TrainState.create(apply_fn=None, params=W, tx=sgd)
     _, value, info = jaxaccum.linen.train_step(loss, **options)(state, batch())
     out["linen.train_step"] = value, info
+    for name, make in PLAIN_STEPS.items():
+        if name == "coupled_train_step" and {"noise_scale", "skip_nonfinite"} & set(options):
+            continue  # refused when built (test_coupled_losses_refuse_...)
+        _, _, value, info = make(sgd, **options)(W, sgd.init(W), batch())
+        out[name] = value, info
     return out
+
+
+# the (params, opt_state, batch) steps other than train_step, with the same loss
+PLAIN_STEPS = {
+    "train_step": lambda opt, **o: jaxaccum.train_step(loss, opt, **o),
+    "statistics_first_train_step": lambda opt, **o: jaxaccum.statistics_first_train_step(
+        lambda w, b: {"n": jnp.float32(b[0].shape[0])}, lambda w, b, t: loss(w, b), opt, **o),
+    "coupled_train_step": lambda opt, **o: jaxaccum.coupled_train_step(
+        lambda w, b: b[0] @ w - b[1], lambda w, r, b: jnp.mean(r**2), opt, **o),
+}
+
+
+@pytest.mark.parametrize("name", list(PLAIN_STEPS))
+@pytest.mark.parametrize("donate", [None, True, False])
+def test_every_step_donates_params_and_opt_state_unless_told_not_to(name, donate):
+    """``donate=True`` by default: the arrays passed in are consumed, the new ones are not."""
+    adam = optax.adam(0.1)
+    params = jnp.asarray(W)
+    state = adam.init(params)
+    step = PLAIN_STEPS[name](adam, num_microbatches=2,
+                             **({} if donate is None else {"donate": donate}))
+    new_params, new_state, _, _ = step(params, state, batch())
+    consumed = donate is not False
+    assert params.is_deleted() == consumed, name
+    assert all(s.is_deleted() == consumed for s in jax.tree.leaves(state)), name
+    assert not any(x.is_deleted() for x in jax.tree.leaves((new_params, new_state))), name
 
 
 @pytest.mark.parametrize("options", [{}, {"noise_scale": True}, {"skip_nonfinite": True}])
