@@ -8,8 +8,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from hypothesis import given, settings
-from hypothesis import strategies as st
 from conftest import (
     assert_within_rounding,
     full_and_reference,
@@ -19,6 +17,8 @@ from conftest import (
     mse_loss,
     refuses,
 )
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import jaxaccum
 

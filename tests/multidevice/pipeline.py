@@ -157,22 +157,39 @@ def skipped() -> dict[str, Any]:
     return out
 
 
+def recording(explicit: bool, seen: list[str]) -> Any:
+    """``scalar_loss`` that notes how ``w1`` is split when it reaches it (Explicit axes)."""
+    def loss(p: Params, b: Any) -> jax.Array:
+        if explicit:
+            seen.append(str(jax.typeof(p["w1"]).sharding.spec.partitions))
+        return scalar_loss(explicit)(p, b)
+
+    return loss
+
+
 def zero3_in_loop() -> dict[str, Any]:
-    """fsdp="microbatch" on an Auto FSDP mesh: the parameters' all-gather stays inside the loop
-    (pinned), so temp stays below fsdp="step"'s."""
-    mesh = mesh_of((8,), ("data",), False)
-    specs = {"w1": P("data", None), "b1": P(), "w2": P("data", None)}
+    """fsdp="microbatch" on an FSDP mesh, Auto and Explicit: the parameters' all-gather stays
+    inside the loop (pinned), so temp stays below fsdp="step"'s; the gradient is the same."""
     out: dict[str, Any] = {}
-    with jax.set_mesh(mesh):
-        params, batch = put(mesh, specs)
-        for fsdp in ("step", "microbatch"):
-            fn = jax.jit(jaxaccum.value_and_grad(
-                scalar_loss(False), num_microbatches=8,
-                mesh=jaxaccum.DataParallel(mesh, fsdp=fsdp, param_shardings=specs)))
-            compiled = fn.lower(params, batch).compile()
-            counts = _hlo.collective_counts(hlo_text(compiled))
-            out[fsdp] = {"all_gather_in_loops": counts["all-gather in loops"],
-                         "temp": memory(compiled).temp_size_in_bytes}
+    specs = {"w1": P("data", None), "b1": P(), "w2": P("data", None)}
+    for explicit in (False, True):
+        mesh = mesh_of((8,), ("data",), explicit)
+        with jax.set_mesh(mesh):
+            params, batch = put(mesh, specs)
+            found: dict[str, Any] = {}
+            for fsdp in ("step", "microbatch"):
+                dp = jaxaccum.DataParallel(mesh, fsdp=fsdp,
+                                           param_shardings=None if explicit else specs)
+                seen: list[str] = []
+                fn = jax.jit(jaxaccum.value_and_grad(recording(explicit, seen),
+                                                     num_microbatches=8, mesh=dp))
+                compiled = fn.lower(params, batch).compile()
+                counts = _hlo.collective_counts(hlo_text(compiled))
+                found[fsdp] = {"all_gather_in_loops": counts["all-gather in loops"],
+                               "temp": memory(compiled).temp_size_in_bytes,
+                               "grads": fn(params, batch)[1], "loss_sees_w1": sorted(set(seen))}
+            found["grads_rel"] = rel(found["microbatch"].pop("grads"), found["step"].pop("grads"))
+        out["explicit" if explicit else "auto"] = found
     return out
 
 
