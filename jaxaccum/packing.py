@@ -190,21 +190,18 @@ def _assemble(
         lengths = np.fromiter((s.size for s in seqs), np.int64, n)
         order = np.lexsort((np.arange(n), row_of))  # by row, then in the order given
         lens, row = lengths[order], row_of[order]
-        ends = np.cumsum(lens)
-        starts = ends - lens
+        # each row's tokens first, padding last: a boolean mask written in row-major order
+        # takes the rows' tokens in the sorted order (no index per token)
+        used = np.bincount(row, weights=lens, minlength=shape[0])
+        real = np.arange(length) < used[:, None]
         first = np.ones(n, bool)
         first[1:] = row[1:] != row[:-1]
-        first_at = np.flatnonzero(first)
-        group = np.cumsum(first) - 1  # which row group each (sorted) sequence is in
-        offset = starts - starts[first_at][group]
-        segment = np.arange(n) - first_at[group] + 1
-        owner = np.repeat(np.arange(n), lens)  # each token's sequence, in sorted order
-        within = np.arange(ends[-1]) - starts[owner]
-        flat = row[owner] * length + offset[owner] + within
-        tokens.reshape(-1)[flat] = np.concatenate([seqs[i] for i in order])
-        segment_ids.reshape(-1)[flat] = segment[owner]
-        positions.reshape(-1)[flat] = within
-        sequence_index.reshape(-1)[flat] = index[order][owner]
+        segment = np.arange(n) - np.maximum.accumulate(np.where(first, np.arange(n), 0)) + 1
+        starts = np.cumsum(lens) - lens
+        tokens[real] = np.concatenate([seqs[i] for i in order])
+        segment_ids[real] = np.repeat(segment, lens)
+        positions[real] = np.arange(starts[-1] + lens[-1]) - np.repeat(starts, lens)
+        sequence_index[real] = np.repeat(index[order], lens)
     grid = (microbatches, rows, length)
     return Packed(tokens.reshape(grid), segment_ids.reshape(grid), positions.reshape(grid),
                   sequence_index.reshape(grid), num_microbatches=-(-num_rows // rows))
