@@ -15,7 +15,7 @@ import sqlite3
 import subprocess
 import sys
 
-from report import key
+from report import judged_equivalent, key
 
 
 def main() -> None:
@@ -23,7 +23,8 @@ def main() -> None:
     parser.add_argument("session")
     parser.add_argument("log")
     parser.add_argument("--verdicts", default="survived,crashed")
-    parser.add_argument("--skip", default=None, help="a JSON object whose keys are job ids")
+    parser.add_argument("--skip", default=None, help="equivalent.json: the mutants judged "
+                        "equivalent, not rerun")
     args = parser.parse_args()
     wanted = set(args.verdicts.split(","))
     latest: dict[tuple[str, ...], str] = {}
@@ -32,9 +33,9 @@ def main() -> None:
             v = json.loads(line)
             latest[key(v["diff"])] = v["verdict"]
     db = sqlite3.connect(args.session)
-    skip = set(json.load(open(args.skip))) if args.skip else set()
-    diffs = [d for job, d in db.execute("select job_id, diff from work_results "
-                                        "where diff is not null") if job not in skip]
+    skip = judged_equivalent(args.skip)
+    diffs = [d for (d,) in db.execute("select diff from work_results where diff is not null")
+             if key(d) not in skip]
     env = {**os.environ, "JAXACCUM_MUTATION_LOG": args.log}
     for diff in diffs:
         if latest.get(key(diff), "survived") not in wanted:

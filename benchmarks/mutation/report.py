@@ -3,9 +3,10 @@
 ``python benchmarks/mutation/report.py A/session.sqlite A/verdicts.jsonl [B/session.sqlite
 B/verdicts.jsonl ...] --out benchmarks/results/mutation.json`` writes, for the commit the
 sessions ran on: the sample (seed, size, per module), each mutant's operator, place, diff and
-verdict (killed by an assertion / crashed / survived / timeout / invalid), and per module the
-kill rate over the non-equivalent mutants (``--equivalent FILE``: a JSON object of job id ->
-why it is equivalent).
+verdict (stillborn: rejected by mypy / killed by an assertion / refused / crashed / survived /
+timeout / invalid), and per module the
+kill rate over the non-equivalent mutants (``--equivalent FILE``: the mutants judged equivalent,
+each with why).
 """
 
 from __future__ import annotations
@@ -31,6 +32,15 @@ def key(diff: str) -> tuple[str, ...]:
     changed = [line.rstrip() for line in lines
                if line[:1] in "+-" and not line.startswith(("+++", "---"))]
     return (path, *changed)
+
+
+def judged_equivalent(path: str | None) -> dict[tuple[str, ...], str]:
+    """The mutants judged equivalent (a JSON list of ``{"module", "changed", "why"}``: the
+    changed lines, as ``key`` gives them), keyed by their identity, so a judgement holds in
+    every session that makes the same mutant of the same code."""
+    if not path:
+        return {}
+    return {(e["module"], *e["changed"]): e["why"] for e in json.load(open(path))}
 
 
 def load(session: str, log: str) -> list[dict[str, Any]]:
@@ -75,10 +85,11 @@ def main() -> None:
     mutants: list[dict[str, Any]] = []
     for session, log in zip(args.pairs[::2], args.pairs[1::2], strict=True):
         mutants += load(session, log)
-    equivalent = json.load(open(args.equivalent)) if args.equivalent else {}
+    equivalent = judged_equivalent(args.equivalent)
     for m in mutants:
-        if m["verdict"] == "survived" and m["job"] in equivalent:
-            m["verdict"], m["why"] = "equivalent", equivalent[m["job"]]
+        why = equivalent.get(key(m["diff"]))
+        if m["verdict"] == "survived" and why:
+            m["verdict"], m["why"] = "equivalent", why
     commit = args.commit or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
                                            text=True, check=True).stdout.strip()
     per: dict[str, Counter[str]] = defaultdict(Counter)
@@ -86,10 +97,11 @@ def main() -> None:
         per[m["module"]][m["verdict"]] += 1
     def rates(c: Counter[str]) -> dict[str, Any]:
         """Killed by an assertion over every judged mutant (equivalent, invalid and not run
-        left out), and over the competent ones (incompetent left out too); ``refused`` (valid
-        input refused by the library, failed as an assertion) counted apart, and with."""
+        left out), and over the competent ones (stillborn, which CI's type check rejects, and
+        incompetent left out too); ``refused`` (valid input refused by the library, failed
+        as an assertion) counted apart, and with."""
         judged = sum(c.values()) - c["equivalent"] - c["invalid"] - c["not run"]
-        competent = judged - c["incompetent"]
+        competent = judged - c["incompetent"] - c["stillborn"]
 
         def rate(n: int, d: int) -> float | None:
             return round(n / d, 3) if d else None
@@ -105,7 +117,9 @@ def main() -> None:
         "tool": "cosmic-ray 8.7 (benchmarks/mutation/cosmic-ray.toml)",
         "sample": "benchmarks/mutation/sample.py --size 300 --seed 20261201 (annotations left "
                   "out; proportional per module, at least 20), shards 0/2 and 1/2",
-        "kill": "an assertion failed (verdict.py); crashed = another exception only",
+        "kill": "an assertion failed in any test of the module's selection (verdict.py); "
+                "crashed = other exceptions only; stillborn = `mypy jaxaccum` (run by CI) "
+                "rejects the mutant",
         "total": rates(total),
         "modules": summary,
         "mutants": sorted(mutants, key=lambda m: (m["module"], m["line"], m["col"])),

@@ -25,8 +25,11 @@ def main() -> None:
     parser.add_argument("--shard", default="0/1")
     args = parser.parse_args()
     db = sqlite3.connect(args.session)
+    # in the order of the code (job ids are random), so a seed picks the same mutants of the
+    # same code in every session
     specs = db.execute("select job_id, module_path, start_pos_row, start_pos_col, end_pos_row, "
-                       "end_pos_col from mutation_specs order by job_id").fetchall()
+                       "end_pos_col from mutation_specs order by module_path, start_pos_row, "
+                       "start_pos_col, operator_name, occurrence").fetchall()
     spans: dict[str, list[tuple[int, int, int, int]]] = {}
     for path in {s[1] for s in specs}:
         tree = ast.parse(open(path).read())
@@ -56,7 +59,7 @@ def main() -> None:
     rng = random.Random(args.seed)
     chosen: list[str] = []
     for path in sorted(by_module):
-        jobs = sorted(by_module[path])
+        jobs = by_module[path]  # in the order of the code
         n = min(len(jobs), max(args.floor, round(args.size * len(jobs) / total)))
         chosen += rng.sample(jobs, n)
     rng.shuffle(chosen)

@@ -1,11 +1,15 @@
 """cosmic-ray's test command: runs the tests of the mutated module and decides the verdict.
 
-A mutant counts as *killed* only when a test fails on an assertion (an ``AssertionError``, or
-pytest's own ``Failed``: a ``pytest.raises`` that did not raise): exit 1. A mutant that only
-makes the library raise some other exception inside JAX is *crashed*; one that passes every
-test *survived*; both exit 0, so cosmic-ray reports them as survivors, and the verdict (with
-the failing test and exception) is appended to ``$JAXACCUM_MUTATION_LOG`` as one JSON line
-keyed by the mutated file's diff, which ``report.py`` joins with cosmic-ray's session.
+A mutant that CI's type check (``mypy jaxaccum``) rejects is *stillborn*: it never lands, and
+its tests are not run. Otherwise a mutant counts as *killed* only when a test fails on an
+assertion (an ``AssertionError``, pytest's own ``Failed``: a ``pytest.raises`` that did not
+raise, a doctest whose output differs), in any test of its selection: the session goes on past
+a test that failed on another exception and stops at the first assertion
+(``first_assertion.py``). A mutant that only makes the library raise other exceptions is
+*crashed*; one that passes every test *survived*; both exit 0, so cosmic-ray reports them
+as survivors, and the verdict (with the failing test and exception) is appended to
+``$JAXACCUM_MUTATION_LOG`` as one JSON line keyed by the mutated file's diff, which
+``report.py`` joins with cosmic-ray's session.
 
 The tests of a module are chosen by module (``TESTS``): the reference-model tests first (they
 cover every documented promise of the pipeline and its front ends), then the module's own.
@@ -18,7 +22,7 @@ import os
 import subprocess
 import sys
 import tempfile
-import xml.etree.ElementTree as ET
+from typing import Any
 
 REFERENCE = ["tests/test_reference.py", "tests/test_contract.py"]
 MESH = ["tests/test_reference_mesh.py"]
@@ -43,7 +47,6 @@ TESTS = {
 }
 # seconds: about 4 times what the module's tests take unmutated on 2 busy cores
 TIMEOUT = {"jaxaccum/packing.py": 150}
-ASSERTIONS = ("AssertionError", "assert ", "Failed: DID NOT RAISE", "Regex pattern did not match")
 
 
 def mutated() -> tuple[str, str]:
@@ -54,50 +57,62 @@ def mutated() -> tuple[str, str]:
     return (names[0] if names else ""), diff
 
 
+def typecheck() -> str:
+    """mypy's complaint about the mutated library, as CI runs it ("" if none)."""
+    proc = subprocess.run([sys.executable, "-m", "mypy", "jaxaccum"], capture_output=True,
+                          text=True)
+    return "" if proc.returncode == 0 else proc.stdout.strip().splitlines()[0][:300]
+
+
+def judge(failures: list[dict[str, Any]], timeout: float | None) -> tuple[str, str, str]:
+    """(verdict, test, message) from the failures the plugin recorded, in the order seen;
+    ``timeout``: the seconds after which the run was stopped (None if it ended)."""
+    for wanted, verdict in (("killed", "killed"), ("refused", "refused")):
+        for f in failures:
+            if f["asserted"] and (f["refused"] if wanted == "refused" else not f["refused"]):
+                return verdict, f["test"], f"{f['exception']}: {f['message']}"
+    if failures:
+        f = failures[0]
+        invalid = f["exception"] == "SyntaxError"  # the mutated module does not even import
+        return ("invalid" if invalid else "crashed"), f["test"], \
+            f"{f['exception']}: {f['message']}"
+    if timeout is not None:  # a loop that never ends: detected, not asserted
+        return "timeout", "", f"no result in {timeout:g} s"
+    return "survived", "", ""
+
+
 def main() -> int:
     name, diff = mutated()
-    tests = [*TESTS.get(name, REFERENCE), name]  # the module's own doctests too
-    with tempfile.NamedTemporaryFile(suffix=".xml") as junit:
-        try:
-            proc = subprocess.run(
-                [sys.executable, "-m", "pytest", "-x", "-q", "-n0", "-p", "no:cacheprovider",
-                 "--no-header", f"--junitxml={junit.name}", *tests],
-                capture_output=True, text=True, timeout=TIMEOUT.get(name, 240),
-                env={**os.environ, "JAXACCUM_REFERENCE_EXAMPLES": "6",
-                     "JAXACCUM_REFERENCE_MESH_CASES": "2"})
-        except subprocess.TimeoutExpired:  # a loop that never ends: detected, not asserted
-            proc = None
-        verdict, where, what = "survived", "", ""
-        if proc is None:
-            verdict, what = "timeout", f"no result in {TIMEOUT.get(name, 240)} s"
-        elif proc.returncode not in (0, 5):
+    complaint = typecheck()
+    if complaint:  # CI's type check rejects it: it never lands, so it is not run
+        verdict, where, what = "stillborn", "mypy jaxaccum", complaint
+    else:
+        tests = [*TESTS.get(name, REFERENCE), name]  # the module's own doctests too
+        here = os.path.dirname(os.path.abspath(__file__))
+        with tempfile.NamedTemporaryFile(suffix=".jsonl") as record:
+            env = {**os.environ, "JAXACCUM_REFERENCE_EXAMPLES": "6",
+                   "JAXACCUM_REFERENCE_MESH_CASES": "2",
+                   "JAXACCUM_MUTATION_FAILURES": record.name,
+                   "PYTHONPATH": os.pathsep.join([here, os.environ.get("PYTHONPATH", "")])}
             try:
-                root = ET.parse(junit.name).getroot()
-            except ET.ParseError:
-                root = None
-            for case in (root.iter("testcase") if root is not None else []):
-                bad = case.find("failure")
-                if bad is None:
-                    bad = case.find("error")
-                if bad is None:
-                    continue
-                where = f"{case.get('classname')}::{case.get('name')}"
-                what = (bad.get("message") or "")[:300]
-                verdict = "killed" if bad.tag == "failure" and what.startswith(ASSERTIONS) \
-                    else "crashed"
-                if verdict == "killed" and "jaxaccum refused valid input" in what:
-                    verdict = "refused"  # valid input refused by the library (conftest's hook)
-                if bad.tag == "error" and "SyntaxError" in (bad.text or ""):
-                    verdict = "invalid"  # the mutated module does not even import
-                break
-            else:
-                verdict, what = "crashed", proc.stdout[-300:]
+                proc = subprocess.run(
+                    [sys.executable, "-m", "pytest", "-q", "-n0", "-p", "no:cacheprovider",
+                     "-p", "first_assertion", "--no-header", *tests],
+                    capture_output=True, text=True, timeout=TIMEOUT.get(name, 240), env=env)
+                # (a stopped run: the timeout; the failures it recorded still count)
+                timeout, code, out = None, proc.returncode, proc.stdout
+            except subprocess.TimeoutExpired:
+                timeout, code, out = TIMEOUT.get(name, 240), 0, ""
+            failures = [json.loads(line) for line in open(record.name) if line.strip()]
+        verdict, where, what = judge(failures, timeout)
+        if verdict == "survived" and code not in (0, 5):  # pytest itself failed
+            verdict, what = "crashed", out[-300:]
     log = os.environ.get("JAXACCUM_MUTATION_LOG")
     if log:
         with open(log, "a") as f:
             f.write(json.dumps({"file": name, "diff": diff, "verdict": verdict, "test": where,
                                 "message": what}) + "\n")
-    return 1 if verdict in ("killed", "refused", "timeout") else 0
+    return 1 if verdict in ("killed", "refused", "timeout", "stillborn") else 0
 
 
 if __name__ == "__main__":
