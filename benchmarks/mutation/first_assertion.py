@@ -2,13 +2,14 @@
 ``$JAXACCUM_MUTATION_FAILURES`` (one JSON line: the test, the phase, the exception, whether it
 is an assertion), and the session stops at the first failure on an assertion, not at the
 first failure: a mutant that crashes one test and fails an assertion in a later one is killed
-by that assertion, as a full run would show.
+by that assertion, as a full run would show (up to 5 tests failed on other exceptions: then the
+session stops, the mutant crashed).
 
 An assertion is an ``AssertionError`` (a multi-device program that failed on one included:
 ``tests/launcher.py`` raises ``ProgramAssertionError`` then), pytest's ``Failed`` (a
 ``pytest.raises`` that did not raise) or a doctest whose output differs; a doctest that raised
 is judged by what it raised. The refusal of valid input (``conftest.py`` fails it as an
-assertion saying so) is recorded, but does not stop the session.
+assertion saying so) is an assertion, recorded as a refusal.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from typing import Any
 import pytest
 
 REFUSED = "jaxaccum refused valid input"
+MAX_CRASHES = 5  # a mutant that crashes this many tests is judged by them (time on 2 cores)
+CRASHES: list[str] = []
 
 
 def _leaves(error: BaseException) -> list[BaseException]:
@@ -71,5 +74,9 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[Any]):  #
     record = {"test": item.nodeid, "phase": call.when, "exception": type(error).__name__,
               "asserted": bool(asserted), "refused": refused, "message": message[:300]}
     _write(record)
-    if asserted and not refused:
+    if asserted:
         item.session.shouldstop = f"an assertion failed in {item.nodeid}"
+        return
+    CRASHES.append(item.nodeid)
+    if len(CRASHES) >= MAX_CRASHES:
+        item.session.shouldstop = f"{MAX_CRASHES} tests failed on other exceptions"

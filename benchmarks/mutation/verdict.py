@@ -4,7 +4,7 @@ A mutant that CI's type check (``mypy jaxaccum``) rejects is *stillborn*: it nev
 its tests are not run. Otherwise a mutant counts as *killed* only when a test fails on an
 assertion (an ``AssertionError``, pytest's own ``Failed``: a ``pytest.raises`` that did not
 raise, a doctest whose output differs), in any test of its selection: the session goes on past
-a test that failed on another exception and stops at the first assertion
+a test that failed on another exception (up to 5) and stops at the first assertion
 (``first_assertion.py``). A mutant that only makes the library raise other exceptions is
 *crashed*; one that passes every test *survived*; both exit 0, so cosmic-ray reports them
 as survivors, and the verdict (with the failing test and exception) is appended to
