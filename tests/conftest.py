@@ -14,6 +14,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from hypothesis import Phase, settings
+
+# Mutation testing (benchmarks/mutation/verdict.py) needs a failing example, not the smallest:
+# shrinking would recompile the program for every candidate.
+settings.register_profile("no-shrink", phases=(Phase.explicit, Phase.reuse, Phase.generate))
+if os.environ.get("JAXACCUM_HYPOTHESIS_PROFILE"):
+    settings.load_profile(os.environ["JAXACCUM_HYPOTHESIS_PROFILE"])
 
 jax.config.update("jax_default_matmul_precision", "highest")
 

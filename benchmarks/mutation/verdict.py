@@ -92,6 +92,7 @@ def main() -> int:
         with tempfile.NamedTemporaryFile(suffix=".jsonl") as record:
             env = {**os.environ, "JAXACCUM_REFERENCE_EXAMPLES": "6",
                    "JAXACCUM_REFERENCE_MESH_CASES": "2",
+                   "JAXACCUM_HYPOTHESIS_PROFILE": "no-shrink",
                    "JAXACCUM_MUTATION_FAILURES": record.name,
                    "PYTHONPATH": os.pathsep.join([here, os.environ.get("PYTHONPATH", "")])}
             try:
