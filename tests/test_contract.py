@@ -364,6 +364,57 @@ def test_a_mesh_without_data_axis_is_refused_with_the_first_axis_as_example():
         jaxaccum.DataParallel(mesh)
 
 
+def _enc(w, b):
+    return b[0] @ w
+
+
+def _pair(w, r, b):
+    return jnp.mean(r**2)
+
+
+def _stats(w, b):
+    return {"n": jnp.float32(b[0].shape[0])}
+
+
+def _with_stats(w, b, t):
+    return loss(w, b)
+
+
+SGD = optax.sgd(0.1)
+# every entry point with one positional argument past the last it takes
+POSITIONAL = {
+    "value_and_grad": lambda: jaxaccum.value_and_grad(loss, 0),
+    "train_step": lambda: jaxaccum.train_step(loss, SGD, 4),
+    "coupled_value_and_grad": lambda: jaxaccum.coupled_value_and_grad(_enc, _pair, 4),
+    "coupled_train_step": lambda: jaxaccum.coupled_train_step(_enc, _pair, SGD, 4),
+    "statistics_first": lambda: jaxaccum.statistics_first(_stats, _with_stats, 4),
+    "statistics_first_train_step": lambda: jaxaccum.statistics_first_train_step(
+        _stats, _with_stats, SGD, 4),
+    "nnx.value_and_grad": lambda: jaxaccum.nnx.value_and_grad(nnx_loss, 4),
+    "nnx.train_step": lambda: jaxaccum.nnx.train_step(nnx_loss, 4),
+    "nnx.coupled_value_and_grad": lambda: jaxaccum.nnx.coupled_value_and_grad(_enc, _pair, 4),
+    "nnx.statistics_first": lambda: jaxaccum.nnx.statistics_first(_stats, _with_stats, 4),
+    "linen.train_step": lambda: jaxaccum.linen.train_step(loss, 4),
+}
+
+
+@pytest.mark.parametrize("name", list(POSITIONAL))
+def test_options_are_keyword_only_in_every_entry_point(name):
+    """An option passed by position is Python's TypeError, never taken as another option."""
+    with refuses(TypeError, match="positional argument"):
+        POSITIONAL[name]()
+
+
+@pytest.mark.parametrize("out", [lambda v, c: v, lambda v, c: (v,), lambda v, c: (v, c, c)])
+def test_a_loss_with_carry_that_does_not_return_a_pair_is_refused(out):
+    def bad(w, b, c):
+        return out(loss(w, b), c)
+
+    with refuses(TypeError, match=r"must return \(output, new_carry\)"):
+        jaxaccum.value_and_grad(bad, num_microbatches=2, carry_argnums=2)(
+            W, batch(), jnp.zeros(()))
+
+
 @pytest.mark.parametrize("new, got", [(lambda c: {"c": c}, "dict"), (lambda c: (c,), "tuple of 1"),
                                       (lambda c: [c, c, c], "list of 3")])
 def test_new_carry_of_the_wrong_kind_or_length_is_named(new, got):

@@ -34,7 +34,7 @@ TESTS = {
     "jaxaccum/_microbatches.py": [*REFERENCE, *MESH, "tests/test_variable.py",
                                   "tests/test_variable_mesh.py"],
     "jaxaccum/_arguments.py": [*REFERENCE, "tests/test_carry.py", "tests/test_accumulate.py",
-                               "tests/test_frontends.py"],
+                               "tests/test_frontends.py", "tests/test_pipeline_placement.py"],
     "jaxaccum/_options.py": [*REFERENCE, *MESH, "tests/test_carry.py", "tests/test_accumulate.py",
                              "tests/test_frontends.py", "tests/test_data_parallel.py"],
     "jaxaccum/_coupled.py": [*REFERENCE, "tests/test_coupled.py", "tests/test_coupled_mesh.py"],
