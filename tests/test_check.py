@@ -33,6 +33,18 @@ def test_a_gradient_scaled_wrong_is_named_with_its_factor(factor):
     assert f"the gradient is {factor:.6g} times the full batch's" in report.problems[0]
 
 
+def test_the_error_is_relative_to_the_largest_magnitude_of_the_reference():
+    """On a loss whose values and gradients are all far below 1: a step off by a factor 2
+    has the error 1 (``|2 g - g| / max |g|``), whatever the magnitudes."""
+    def tiny(p, b):
+        return 1e-4 * mse_loss(p, b)
+
+    doubled = jaxaccum.value_and_grad(lambda p, b: 2 * tiny(p, b), num_microbatches=8)
+    report = jaxaccum.check(tiny, PARAMS, BATCH, step=doubled, num_microbatches=8)
+    assert report.error == pytest.approx(1.0, rel=1e-4)
+    assert report.full_batch_error < 1e-5  # float32 rounding, relative as well
+
+
 def test_the_bound_is_ten_full_batch_errors_plus_sixteen_ulps():
     """The documented bound, from the report's own numbers."""
     report = jaxaccum.check(mse_loss, PARAMS, BATCH, num_microbatches=8)

@@ -415,6 +415,16 @@ def test_a_loss_with_carry_that_does_not_return_a_pair_is_refused(out):
             W, batch(), jnp.zeros(()))
 
 
+@pytest.mark.parametrize("options, out", [
+    ({"weighted": True}, lambda v: (v, 1.0, 2.0)), ({"weighted": True}, lambda v: (v,)),
+    ({"has_aux": True}, lambda v: (v, {"a": v}, v)), ({"has_aux": True}, lambda v: v)])
+def test_a_loss_output_that_is_not_the_documented_pair_is_refused(options, out):
+    """``weighted``: ``(loss, weight)``; ``has_aux``: ``(loss, aux)``; not 1 or 3 values."""
+    with refuses(TypeError, match=r"the loss function must return \((loss|output), "):
+        jaxaccum.value_and_grad(lambda w, b: out(loss(w, b)), num_microbatches=2,
+                                **options)(W, batch())
+
+
 @pytest.mark.parametrize("new, got", [(lambda c: {"c": c}, "dict"), (lambda c: (c,), "tuple of 1"),
                                       (lambda c: [c, c, c], "list of 3")])
 def test_new_carry_of_the_wrong_kind_or_length_is_named(new, got):

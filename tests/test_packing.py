@@ -215,6 +215,12 @@ def test_property_layout(lengths, length, rows, spare, seed):
 # --- errors ------------------------------------------------------------------------------------
 
 
+def test_a_3d_array_of_sequences_is_refused_naming_the_first():
+    with refuses(ValueError, match=r"sequences\[0\] must be a 1-D array of token ids; got "
+                                   r"shape \(3, 4\)"):
+        pack(np.ones((2, 3, 4), np.int32), rows=1, length=8)
+
+
 def test_too_long_sequence():
     seqs = [np.arange(3), np.arange(8), np.arange(9)]
     with refuses(ValueError, match=(
