@@ -215,6 +215,14 @@ def test_property_layout(lengths, length, rows, spare, seed):
 # --- errors ------------------------------------------------------------------------------------
 
 
+def test_packing_options_are_keyword_only():
+    """A count passed by position is Python's TypeError, never taken as another option."""
+    with refuses(TypeError, match="positional argument"):
+        pack([np.arange(1, 3)], 2, 8)
+    with refuses(TypeError, match="positional argument"):
+        pack_stream([np.arange(1, 3)], 2, 8, 2)
+
+
 def test_a_3d_array_of_sequences_is_refused_naming_the_first():
     with refuses(ValueError, match=r"sequences\[0\] must be a 1-D array of token ids; got "
                                    r"shape \(3, 4\)"):

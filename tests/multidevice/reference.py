@@ -64,7 +64,7 @@ def scenario(rng: np.random.Generator, axes: str) -> Scenario:
 
 def fixed(axes: str) -> list[Scenario]:
     """Every reduced aux over the devices, once with a NaN that must win max and min, once
-    weighted with an empty share, whatever the random draws."""
+    weighted with an empty share, runtime counts of 1 and 2, whatever the random draws."""
     rng = np.random.default_rng(3)
     b, k = 32, 2
     x = rng.normal(size=(b, D)).astype(np.float32)
@@ -80,7 +80,8 @@ def fixed(axes: str) -> list[Scenario]:
     return [Scenario(x, y, m, w, k, None, False, False, every, axes == "auto"),
             Scenario(nan, y, m, w, k, None, False, False, every, False),
             Scenario(x, y, empty, w, k, None, True, False, others, axes == "auto"),
-            Scenario(x, y, m, w, k, 1, True, False, every, axes == "auto")]
+            Scenario(x, y, m, w, k, 1, True, False, every, axes == "auto"),
+            Scenario(x, y, m, w, k, 2, False, False, others, axes == "auto")]
 
 
 def gathered_argument(mesh: Any) -> float:
