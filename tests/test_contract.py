@@ -398,6 +398,16 @@ POSITIONAL = {
 }
 
 
+def test_an_explicit_mesh_under_another_mesh_in_context_is_refused():
+    """value_and_grad on Explicit axes needs its own mesh in context, not just any mesh."""
+    mesh = jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+    other = jax.make_mesh((1, 1), ("a", "b"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+    fn = jaxaccum.value_and_grad(loss, num_microbatches=2, mesh=mesh)
+    with jax.set_mesh(other), refuses(ValueError, match=r"call it inside `with "
+                                                          r"jax.set_mesh\(mesh\):`"):
+        fn(W, batch())
+
+
 @pytest.mark.parametrize("name", list(POSITIONAL))
 def test_options_are_keyword_only_in_every_entry_point(name):
     """An option passed by position is Python's TypeError, never taken as another option."""

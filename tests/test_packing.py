@@ -215,6 +215,12 @@ def test_property_layout(lengths, length, rows, spare, seed):
 # --- errors ------------------------------------------------------------------------------------
 
 
+def test_pad_id_takes_every_int32_value():
+    for pad_id in (-(2**31), 2**31 - 1):
+        packed = pack([np.arange(1, 3)], rows=1, length=4, pad_id=pad_id)
+        assert packed.tokens[0, 0].tolist() == [1, 2, pad_id, pad_id]
+
+
 def test_packing_options_are_keyword_only():
     """A count passed by position is Python's TypeError, never taken as another option."""
     with refuses(TypeError, match="positional argument"):
