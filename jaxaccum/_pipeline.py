@@ -207,7 +207,7 @@ def finalize(
         grads = _reductions.safe_divide(sums.grads, sums.weight)
     else:
         loss = sums.loss / sums.weight
-        grads = jax.tree.map(lambda g: g / sums.weight.astype(g.dtype), sums.grads)
+        grads = _reductions.divide(sums.grads, sums.weight)
     grads = _reductions.cast_like(grads, acc.differentiated(args))
     aux = None
     if acc.options.aux_spec is not None:
