@@ -307,7 +307,8 @@ def pack_stream(
     max_microbatches: int,
     lookahead: int = 32,
     pad_id: int = 0,
-) -> Iterator[Packed]:
+    state: dict[str, Any] | None = None,
+) -> PackStream:
     """Packs a stream of sequences into steps of at most ``max_microbatches`` micro-batches.
 
     Each step takes sequences in order of arrival and puts each in the row with the least
@@ -326,11 +327,17 @@ def pack_stream(
       max_microbatches: M, the micro-batches in every step yielded.
       lookahead: how many sequences may wait to be placed (>= 1).
       pad_id: the token id of padding.
+      state: to resume: what :meth:`PackStream.get_state` returned. ``sequences`` must then
+        start at the sequence numbered ``state["arrived"]`` (the sequences read before are
+        either packed or held in the state), and the steps that follow are those the
+        uninterrupted stream would have yielded, bitwise.
 
     Returns:
-      A generator of :class:`Packed`, one a step, each of shape ``(M, rows, length)`` with a
-      count of used micro-batches between 1 and M; ``sequence_index`` holds each sequence's
-      arrival index in the stream (0-based). It stops when the stream is exhausted.
+      A :class:`PackStream`: an iterator of :class:`Packed`, one a step, each of shape
+      ``(M, rows, length)`` with a count of used micro-batches between 1 and M;
+      ``sequence_index`` holds each sequence's arrival index in the stream (0-based). It
+      stops when the stream is exhausted. Its ``get_state()`` between steps is a small,
+      JSON-serialisable dict to checkpoint with the model.
 
     Raises:
       ValueError: when called, ``rows``, ``length``, ``max_microbatches`` or ``lookahead``
@@ -353,44 +360,86 @@ def pack_stream(
                                                 PACK_STREAM)
     lookahead = _validation.positive_int(lookahead, "lookahead", PACK_STREAM)
     pad = _pad_id(PACK_STREAM, pad_id)
-    return _stream(iter(sequences), rows, length, max_microbatches, lookahead, pad)
+    stream = PackStream(iter(sequences), rows, length, max_microbatches, lookahead, pad)
+    if state is not None:
+        stream.set_state(state)
+    return stream
 
 
-def _stream(
-    it: Iterator[Any], rows: int, length: int, microbatches: int, lookahead: int, pad_id: int
-) -> Iterator[Packed]:
-    waiting: list[tuple[int, np.ndarray]] = []  # (arrival index, sequence)
-    arrived = 0
-    exhausted = False
-    while True:
+class PackStream(Iterator[Packed]):
+    """The iterator :func:`pack_stream` returns: steps of packed rows, with a state that
+    saves and restores (``get_state`` / ``set_state``, as a Grain iterator's).
+
+    The state between two steps is the number of sequences read from the stream
+    (``"arrived"``) and the sequences read but not yet packed (``"waiting"``: at most
+    ``lookahead``, each as its arrival index and its token ids), plain ints and lists.
+    """
+
+    def __init__(self, it: Iterator[Any], rows: int, length: int, microbatches: int,
+                 lookahead: int, pad_id: int) -> None:
+        self._it = it
+        self._shape = (rows, length, microbatches, lookahead, pad_id)
+        self._waiting: list[tuple[int, np.ndarray]] = []  # (arrival index, sequence)
+        self._arrived = 0
+        self._exhausted = False
+
+    def __iter__(self) -> PackStream:
+        return self
+
+    def get_state(self) -> dict[str, Any]:
+        """What to save to resume after the last step yielded (JSON-serialisable)."""
+        return {"arrived": self._arrived,
+                "waiting": [[i, seq.tolist()] for i, seq in self._waiting]}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        """Resumes from :meth:`get_state`'s dict; the stream given must start at sequence
+        ``state["arrived"]``."""
+        try:
+            arrived, waiting = int(state["arrived"]), state["waiting"]
+            held = [(int(i), _sequence(PACK_STREAM, seq, int(i), self._shape[1]))
+                    for i, seq in waiting]
+        except (KeyError, TypeError) as e:
+            raise ValueError(
+                f"{PACK_STREAM}: state must be a dict from PackStream.get_state() "
+                f"({{'arrived': int, 'waiting': [[index, tokens], ...]}}); got {state!r:.200}"
+            ) from e
+        self._arrived, self._waiting, self._exhausted = arrived, held, False
+
+    def _read(self) -> None:
+        """Fills the waiting sequences up to ``lookahead`` from the stream."""
+        while not self._exhausted and len(self._waiting) < self._shape[3]:
+            try:
+                value = next(self._it)
+            except StopIteration:
+                self._exhausted = True
+                return
+            seq = _sequence(PACK_STREAM, value, self._arrived, self._shape[1])
+            self._waiting.append((self._arrived, seq))
+            self._arrived += 1
+
+    def __next__(self) -> Packed:
+        rows, length, microbatches, _, pad_id = self._shape
         fit = _BestFit(length, max_rows=microbatches * rows)
         index: list[int] = []
         seqs: list[np.ndarray] = []
         row_of: list[int] = []
         i = 0
         while not fit.full:
-            while not exhausted and len(waiting) < lookahead:
-                try:
-                    value = next(it)
-                except StopIteration:
-                    exhausted = True
-                    break
-                waiting.append((arrived, _sequence(PACK_STREAM, value, arrived, length)))
-                arrived += 1
-            if i >= len(waiting):
+            self._read()
+            if i >= len(self._waiting):
                 break
-            row = fit.place(waiting[i][1].size)
+            row = fit.place(self._waiting[i][1].size)
             if row is None:
                 i += 1
                 continue
-            j, seq = waiting.pop(i)
+            j, seq = self._waiting.pop(i)
             index.append(j)
             seqs.append(seq)
             row_of.append(row)
         if not seqs:  # the first waiting sequence always fits empty rows: nothing is left
-            return
-        yield _assemble(seqs, np.asarray(index), np.asarray(row_of), len(fit.used),
-                        microbatches=microbatches, rows=rows, length=length, pad_id=pad_id)
+            raise StopIteration
+        return _assemble(seqs, np.asarray(index), np.asarray(row_of), len(fit.used),
+                         microbatches=microbatches, rows=rows, length=length, pad_id=pad_id)
 
 
 # --- losses over packed micro-batches ------------------------------------------------------

@@ -19,6 +19,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import jax
@@ -363,6 +364,35 @@ def test_stream_every_sequence_once(lookahead):
             fills = row_fills(packed)
             assert fills.size == m * rows
             assert length - fills.min() < len(seqs[stream_indices(nxt)[0]])
+
+
+@settings(max_examples=40, deadline=None)
+@given(lengths=st.lists(st.integers(1, 12), min_size=0, max_size=60),
+       rows=st.integers(1, 3), m=st.integers(1, 3), lookahead=st.integers(1, 8),
+       stop=st.integers(0, 30), seed=st.integers(0, 2**16))
+def test_stream_resumed_from_its_state_yields_the_uninterrupted_steps(lengths, rows, m,
+                                                                     lookahead, stop, seed):
+    """Stopped after any step, its state saved as JSON, and resumed on the stream from
+    ``state["arrived"]`` on: the same steps, bitwise; every sequence packed exactly once."""
+    seqs = random_sequences(np.random.default_rng(seed), np.asarray(lengths, int))
+    options = dict(rows=rows, length=12, max_microbatches=m, lookahead=lookahead)
+    whole = list(pack_stream(iter(seqs), **options))
+    first = pack_stream(iter(seqs), **options)
+    before = [next(first) for _ in range(min(stop, len(whole)))]
+    state = json.loads(json.dumps(first.get_state()))
+    after = list(pack_stream(iter(seqs[state["arrived"]:]), state=state, **options))
+    assert len(before) + len(after) == len(whole)
+    for got, want in zip(before + after, whole, strict=True):
+        for a, b in zip(got, want, strict=True):
+            np.testing.assert_array_equal(a, b)
+    seen = np.concatenate([stream_indices(p) for p in before + after] or [np.zeros(0, int)])
+    assert sorted(seen.tolist()) == list(range(len(seqs)))
+
+
+def test_a_stream_state_that_is_not_one_is_refused():
+    with refuses(ValueError, match=r"pack_stream: state must be a dict from "
+                                   r"PackStream.get_state\(\)"):
+        pack_stream([], rows=1, length=4, max_microbatches=1, state={"arrived": 3})
 
 
 def test_stream_fills_steps_with_lookahead():
