@@ -71,7 +71,7 @@ def padded(seqs):  # one sequence a row: (tokens, segment ids 1/0, positions)
 
 def packed(seqs):  # packed rows, grouped into at most M micro-batches of ROWS rows
     p = pack(seqs, rows=ROWS, length=L, max_microbatches=M)
-    return jaxaccum.Microbatches((p.tokens, p.segment_ids, p.positions), p.num_microbatches), p
+    return p.microbatches("tokens", "segment_ids", "positions"), p
 
 
 def rel(a, b):  # max |a - b| over max |b|, over whole pytrees

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxaccum import _validation
+from jaxaccum import _microbatches, _validation
 
 PACK = "jaxaccum.packing.pack"
 PACK_STREAM = "jaxaccum.packing.pack_stream"
@@ -56,6 +56,35 @@ class Packed(NamedTuple):
     positions: np.ndarray
     sequence_index: np.ndarray
     num_microbatches: int
+
+    def microbatches(self, *fields: str) -> _microbatches.Microbatches:
+        """The batch argument of a ``max_microbatches=M`` step: a
+        :class:`jaxaccum.Microbatches` whose data is the tuple of the named fields (default
+        ``tokens, segment_ids, positions``; each ``(M, rows, length)``: micro-batch ``i`` is
+        ``field[i]``) and whose count is ``num_microbatches`` (int32).
+
+        Raises:
+          ValueError: a name that is not an array field of ``Packed``.
+
+        Examples:
+          >>> import numpy as np
+          >>> from jaxaccum.packing import pack
+          >>> packed = pack([np.arange(1, 4), np.arange(1, 6)], rows=1, length=5,
+          ...               max_microbatches=4)
+          >>> mb = packed.microbatches("tokens", "segment_ids")
+          >>> [x.shape for x in mb.data], int(mb.count)
+          ([(4, 1, 5), (4, 1, 5)], 2)
+        """
+        names = fields or ("tokens", "segment_ids", "positions")
+        arrays = ("tokens", "segment_ids", "positions", "sequence_index")
+        bad = [n for n in names if n not in arrays]
+        if bad:
+            raise ValueError(
+                f"jaxaccum.packing.Packed.microbatches: fields must name arrays of Packed "
+                f"{arrays}; got {bad}"
+            )
+        return _microbatches.Microbatches(tuple(getattr(self, n) for n in names),
+                                          np.asarray(self.num_microbatches, np.int32))
 
     @property
     def num_tokens(self) -> int:

@@ -389,6 +389,25 @@ def test_stream_resumed_from_its_state_yields_the_uninterrupted_steps(lengths, r
     assert sorted(seen.tolist()) == list(range(len(seqs)))
 
 
+def test_packed_microbatches_is_the_stack_a_runtime_count_step_takes():
+    """``Packed.microbatches(*fields)``: the named arrays as they lie (micro-batch i is
+    ``field[i]``) and ``num_microbatches`` as an int32 count; the default fields tokens,
+    segment ids and positions; a name that is no array field refused."""
+    rng = np.random.default_rng(3)
+    packed = pack(random_sequences(rng, [5, 3, 8, 2, 7]), rows=2, length=8, max_microbatches=4)
+    default = packed.microbatches()
+    assert len(default.data) == 3
+    for got, want in zip(default.data, (packed.tokens, packed.segment_ids, packed.positions),
+                         strict=True):
+        assert got is want
+    mb = packed.microbatches("segment_ids", "sequence_index")
+    assert mb.data[0] is packed.segment_ids and mb.data[1] is packed.sequence_index
+    assert mb.count.dtype == np.int32 and int(mb.count) == packed.num_microbatches
+    with refuses(ValueError, match=r"Packed.microbatches: fields must name arrays .* "
+                                   r"got \['num_microbatches'\]"):
+        packed.microbatches("tokens", "num_microbatches")
+
+
 def test_a_stream_state_that_is_not_one_is_refused():
     with refuses(ValueError, match=r"pack_stream: state must be a dict from "
                                    r"PackStream.get_state\(\)"):
