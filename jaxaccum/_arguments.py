@@ -27,6 +27,10 @@ class Accumulation:
         inside ``fun`` (a per-micro-batch all-gather, ZeRO-3) is not hoisted out of the loop.
       stacked: the batch arguments are stacks ``(K, m, ...)`` of micro-batches
         (``max_microbatches``): micro-batch ``i`` is ``data[i]``, read where it lies.
+      divide_later: the result's ``grads`` are the reduced sums, not yet divided by the total
+        weight: a train step divides them inside its update (:func:`jaxaccum._pipeline.divide`),
+        where the division fuses into the optimizer even under the zero-weight rule's
+        ``lax.cond`` (whose operands XLA materialises).
     """
 
     fun: Callable[..., Any]
@@ -38,6 +42,7 @@ class Accumulation:
     options: _options.Options
     pin_in_loop: bool = False
     stacked: bool = False
+    divide_later: bool = False
 
     @property
     def microbatch_axis(self) -> int:

@@ -196,6 +196,16 @@ def accumulate(
 # --- finalize -----------------------------------------------------------------------------------
 
 
+def divide(acc: Accumulation, sums: Any, weight: jax.Array, like: Any) -> Any:
+    """The gradient: the reduced sums divided by the total weight (zeros for a total of 0
+    where it can be 0), in the dtypes of ``like`` (the differentiated arguments)."""
+    if acc.options.divides_safely:
+        grads = _reductions.safe_divide(sums, weight)
+    else:
+        grads = _reductions.divide(sums, weight)
+    return _reductions.cast_like(grads, like)
+
+
 def finalize(
     acc: Accumulation, sums: Sums, ys: Any, args: tuple[Any, ...], out: Shapes, count: Any
 ) -> tuple[jax.Array, Any, Any]:
@@ -204,11 +214,10 @@ def finalize(
     which the skipped ones are left out of every reduced aux)."""
     if acc.options.divides_safely:
         loss = _reductions.safe_divide(sums.loss, sums.weight)
-        grads = _reductions.safe_divide(sums.grads, sums.weight)
     else:
         loss = sums.loss / sums.weight
-        grads = _reductions.divide(sums.grads, sums.weight)
-    grads = _reductions.cast_like(grads, acc.differentiated(args))
+    like = acc.differentiated(args)
+    grads = sums.grads if acc.divide_later else divide(acc, sums.grads, sums.weight, like)
     aux = None
     if acc.options.aux_spec is not None:
         plan = out.aux_plan
@@ -275,5 +284,8 @@ def run(acc: Accumulation, args: tuple[Any, ...], placement: Placement) -> Resul
             )
         res = placement.run(acc, args, k)
     if opts.noise_scale:
-        res = res._replace(noise=_noise.estimate(res.noise, res.grads))
+        grads = res.grads
+        if acc.divide_later:
+            grads = divide(acc, grads, res.weight, acc.differentiated(args))
+        res = res._replace(noise=_noise.estimate(res.noise, grads))
     return res

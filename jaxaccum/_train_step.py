@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -14,6 +15,7 @@ from jaxaccum import (
     _arguments,
     _microbatches,
     _options,
+    _pipeline,
     _pytrees,
     _reductions,
     _value_and_grad,
@@ -36,12 +38,14 @@ def apply_step(
     res: Result,
     may_be_empty: bool,
     donated: bool = True,
+    finish: Callable[[Any], Any] = lambda grads: grads,
 ) -> tuple[optax.Params, optax.OptState]:
-    """One optimizer update; with zero total weight, params and state come back unchanged."""
+    """One optimizer update on ``finish(res.grads)``; with zero total weight, params and state
+    come back unchanged."""
 
     def update(state: tuple[optax.Params, optax.OptState]) -> tuple[optax.Params, optax.OptState]:
         params, opt_state = state
-        updates, new_state = optimizer.update(res.grads, opt_state, params)
+        updates, new_state = optimizer.update(finish(res.grads), opt_state, params)
         return optax.apply_updates(params, updates), new_state
 
     if not may_be_empty:  # no weights, no skipping: every step has a nonzero total
@@ -68,8 +72,12 @@ class TrainStep:
         gradient: Callable[[tuple[Any, ...], Any], Result] | None = None,
     ) -> None:
         self._acc = acc
-        # (arguments of loss_fn, their shardings read before tracing) -> the accumulated result
-        self._gradient = gradient or (lambda args, hints: _value_and_grad.call(acc, args, hints))
+        # (arguments of loss_fn, their shardings read before tracing) -> the accumulated result;
+        # jaxaccum's own pipeline leaves the division by the total weight to the update
+        self._divide_later = gradient is None
+        later = dataclasses.replace(acc, divide_later=True)
+        self._gradient = gradient or (lambda args, hints: _value_and_grad.call(later, args,
+                                                                               hints))
         self._optimizer = optimizer
         self._donate = donate
         self._dp = acc.options.data_parallel
@@ -86,8 +94,11 @@ class TrainStep:
         ) -> tuple[Any, ...]:
             whole = params if static is None else _pytrees.combine(params, static.tree)
             res = self._gradient((whole, batch, *rest), arg_hints)
+            finish = (lambda sums: _pipeline.divide(acc, sums, res.weight, params)) \
+                if self._divide_later else (lambda grads: grads)
             new_params, new_state = apply_step(
-                optimizer, params, opt_state, res, acc.options.divides_safely, self._donate
+                optimizer, params, opt_state, res, acc.options.divides_safely, self._donate,
+                finish
             )
             if hints is not None:  # keep the shardings the step was called with
                 new_params, new_state = jax.tree.map(

@@ -223,6 +223,30 @@ def test_zero_weight_skip_costs_no_memory(donate):
     assert temps["weighted"] <= temps["unweighted"] + param_bytes // 100, (temps, param_bytes)
 
 
+@pytest.mark.parametrize("k", [8, 64])
+def test_a_donated_step_holds_one_gradient_sized_buffer_more_than_its_gradient(k):
+    """No gradient-sized buffer between the loop and the update: the step's temp is the
+    accumulated gradient's (``value_and_grad``, whose result is an output, not temp) plus the
+    accumulator itself, weighted (the zero-weight rule's cond) or not. The division by the
+    total weight is fused into the optimizer's update."""
+    sizes = (64, 256, 256, 8)
+    params = mlp_params(jax.random.key(3), sizes)
+    batch = random_batch(jax.random.key(4), 64, sizes)
+    optimizer = optax.adam(1e-3)
+    param_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
+    gradient = jax.jit(jaxaccum.value_and_grad(mse_loss, num_microbatches=k)).lower(
+        params, batch).compile().memory_analysis().temp_size_in_bytes
+
+    def weighted(p, b):
+        return mse_loss(p, b), jnp.float32(b[0].shape[0])
+
+    for fn, w in ((mse_loss, False), (weighted, True)):
+        step = jaxaccum.train_step(fn, optimizer, num_microbatches=k, weighted=w)
+        temp = step.lower(params, optimizer.init(params), batch).compile().memory_analysis()
+        assert temp.temp_size_in_bytes <= gradient + param_bytes * 101 // 100, (
+            w, temp.temp_size_in_bytes, gradient, param_bytes)
+
+
 def test_python_float_leaf_in_params():
     """jax.value_and_grad accepts a Python float leaf; so do value_and_grad and train_step."""
 
