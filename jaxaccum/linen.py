@@ -13,6 +13,7 @@ Duck-typed, flax is not imported: a "train state" is any object with ``params``,
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -21,7 +22,15 @@ import jax.numpy as jnp
 import optax
 from jax.typing import ArrayLike
 
-from jaxaccum import _arguments, _microbatches, _options, _reductions, _train_step, _value_and_grad
+from jaxaccum import (
+    _arguments,
+    _microbatches,
+    _options,
+    _pipeline,
+    _reductions,
+    _train_step,
+    _value_and_grad,
+)
 from jaxaccum._multi_steps import MultiStepsState
 from jaxaccum._records import StepInfo, step_info
 
@@ -186,11 +195,13 @@ def train_step(
             fun = _with_rngs(loss_fn, stats is not None)
             args.append((rngs, jnp.zeros((), jnp.int32)))
             carry.append(len(args) - 1)
-        acc = _arguments.make(entry, fun, opts, carry_argnums=tuple(carry))
+        # the division by the total weight is left to the update, where it fuses into it
+        acc = dataclasses.replace(_arguments.make(entry, fun, opts, carry_argnums=tuple(carry)),
+                                  divide_later=True)
         res = _value_and_grad.call(acc, tuple(args))
 
         def update(old: Any) -> Any:
-            new = apply_gradients(old, res.grads)
+            new = apply_gradients(old, _pipeline.divide(acc, res.grads, res.weight, old.params))
             return new if stats is None else new.replace(batch_stats=res.carry[0])
 
         if opts.divides_safely:  # nothing to learn from: the state as it was

@@ -19,8 +19,10 @@ from conftest import (
     random_batch,
     refuses,
 )
+from flax.training import train_state
 
 import jaxaccum
+import jaxaccum.linen
 
 PARAMS = mlp_params(jax.random.key(0))
 BATCHES = [random_batch(jax.random.key(10 + i), 64) for i in range(5)]
@@ -245,6 +247,12 @@ def test_a_donated_step_holds_one_gradient_sized_buffer_more_than_its_gradient(k
         temp = step.lower(params, optimizer.init(params), batch).compile().memory_analysis()
         assert temp.temp_size_in_bytes <= gradient + param_bytes * 101 // 100, (
             w, temp.temp_size_in_bytes, gradient, param_bytes)
+        # the linen step (a TrainState, donated whole) holds the same
+        state = train_state.TrainState.create(apply_fn=None, params=params, tx=optimizer)
+        linen = jaxaccum.linen.train_step(fn, num_microbatches=k, weighted=w)
+        temp = jax.jit(linen, donate_argnums=0).lower(state, batch).compile().memory_analysis()
+        assert temp.temp_size_in_bytes <= gradient + param_bytes * 101 // 100, (
+            "linen", w, temp.temp_size_in_bytes, gradient, param_bytes)
 
 
 def test_python_float_leaf_in_params():
