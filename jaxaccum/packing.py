@@ -76,7 +76,7 @@ class Packed(NamedTuple):
           ([(4, 1, 5), (4, 1, 5)], 2)
         """
         names = fields or ("tokens", "segment_ids", "positions")
-        arrays = ("tokens", "segment_ids", "positions", "sequence_index")
+        arrays = self._fields[:-1]  # every field but the count
         bad = [n for n in names if n not in arrays]
         if bad:
             raise ValueError(
@@ -407,7 +407,8 @@ class PackStream(Iterator[Packed]):
     def __init__(self, it: Iterator[Any], rows: int, length: int, microbatches: int,
                  lookahead: int, pad_id: int) -> None:
         self._it = it
-        self._shape = (rows, length, microbatches, lookahead, pad_id)
+        self._rows, self._length, self._microbatches = rows, length, microbatches
+        self._lookahead, self._pad_id = lookahead, pad_id
         self._waiting: list[tuple[int, np.ndarray]] = []  # (arrival index, sequence)
         self._arrived = 0
         self._exhausted = False
@@ -425,7 +426,7 @@ class PackStream(Iterator[Packed]):
         ``state["arrived"]``."""
         try:
             arrived, waiting = int(state["arrived"]), state["waiting"]
-            held = [(int(i), _sequence(PACK_STREAM, seq, int(i), self._shape[1]))
+            held = [(int(i), _sequence(PACK_STREAM, seq, int(i), self._length))
                     for i, seq in waiting]
         except (KeyError, TypeError) as e:
             raise ValueError(
@@ -436,19 +437,18 @@ class PackStream(Iterator[Packed]):
 
     def _read(self) -> None:
         """Fills the waiting sequences up to ``lookahead`` from the stream."""
-        while not self._exhausted and len(self._waiting) < self._shape[3]:
+        while not self._exhausted and len(self._waiting) < self._lookahead:
             try:
                 value = next(self._it)
             except StopIteration:
                 self._exhausted = True
                 return
-            seq = _sequence(PACK_STREAM, value, self._arrived, self._shape[1])
+            seq = _sequence(PACK_STREAM, value, self._arrived, self._length)
             self._waiting.append((self._arrived, seq))
             self._arrived += 1
 
     def __next__(self) -> Packed:
-        rows, length, microbatches, _, pad_id = self._shape
-        fit = _BestFit(length, max_rows=microbatches * rows)
+        fit = _BestFit(self._length, max_rows=self._microbatches * self._rows)
         index: list[int] = []
         seqs: list[np.ndarray] = []
         row_of: list[int] = []
@@ -468,7 +468,8 @@ class PackStream(Iterator[Packed]):
         if not seqs:  # the first waiting sequence always fits empty rows: nothing is left
             raise StopIteration
         return _assemble(seqs, np.asarray(index), np.asarray(row_of), len(fit.used),
-                         microbatches=microbatches, rows=rows, length=length, pad_id=pad_id)
+                         microbatches=self._microbatches, rows=self._rows, length=self._length,
+                         pad_id=self._pad_id)
 
 
 # --- losses over packed micro-batches ------------------------------------------------------
