@@ -104,11 +104,11 @@ FIXED = {
     "weighted, one empty micro-batch": _with(_fixed(weighted=True, aux=ALL_AUX), "m",
                                              slice(1, None, 4), 0.0),
     "weighted, a negative weight": _with(_fixed(weighted=True), "m", 2, -5.0),
-    # micro-batch 1 (rows 2, 3) weighs -0.5 in all: an invalid count for the noise scale
+    # micro-batch 1 (rows 1 and 5: micro-batches are strided) weighs -0.5 in all: invalid
     "weighted, a micro-batch of weight -0.5, noise": _with(
-        _with(_fixed(weighted=True, noise_scale=True), "m", 2, -0.25), "m", 3, -0.25),
+        _with(_fixed(weighted=True, noise_scale=True), "m", 1, -0.25), "m", 5, -0.25),
     "weighted, a micro-batch of weight -0.5, noise, skipping": _with(_with(
-        _fixed(weighted=True, noise_scale=True, skip_nonfinite=True), "m", 2, -0.25), "m", 3,
+        _fixed(weighted=True, noise_scale=True, skip_nonfinite=True), "m", 1, -0.25), "m", 5,
         -0.25),
     "weighted, a NaN weight, skipped": _with(_fixed(weighted=True, skip_nonfinite=True,
                                                     aux=ALL_AUX, noise_scale=True), "m", 3,
