@@ -15,6 +15,7 @@ back mutations.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -27,6 +28,7 @@ from jaxaccum import (
     _coupled,
     _microbatches,
     _options,
+    _pipeline,
     _reductions,
     _train_step,
     _value_and_grad,
@@ -77,11 +79,14 @@ def accumulate(
     model: Any,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
+    divide_later: bool = False,
 ) -> tuple[_arguments.Accumulation, Result, Callable[[], None]]:
     """Accumulates ``loss_fn(model, *args, **kwargs)``: the module (and every graph node among
     ``args`` and ``kwargs``, e.g. an ``nnx.Rngs``) is split once into the module's ``wrt``
     variables, differentiated, and the rest, carried. Returns the accumulation, the result
-    (grads as the module's ``wrt`` state) and a function writing the carried state back."""
+    (grads as the module's ``wrt`` state; with ``divide_later``, the sums not yet divided by the
+    total weight: see :func:`jaxaccum._pipeline.divide`) and a function writing the carried
+    state back."""
     if not isinstance(model, nnx.Module):
         raise TypeError(
             f"{entry}: argument 0 of loss_fn must be an nnx.Module; got {type(model).__name__}"
@@ -107,6 +112,7 @@ def accumulate(
 
     carry_at = 1 + len(args)
     acc = _arguments.make(entry, pure, opts, batch_argnums=batch_argnums, carry_argnums=carry_at)
+    acc = dataclasses.replace(acc, divide_later=divide_later)
     plain = tuple(None if i in node_at else a for i, a in enumerate(args))
     call_args = (params, *plain, state)
     acc.bind(call_args, {})
@@ -278,14 +284,17 @@ def train_step(
         both = (model, optimizer)
         graphdef, before = nnx.split(both)
         before = jax.tree.map(lambda x: x, before)  # a snapshot: new Variables, same arrays
+        # the division by the total weight is left to the update, where it fuses into it
         acc, res, write_back = accumulate(entry, loss_fn, opts, split, optimizer.wrt if wrt is
-                                          None else wrt, model, args, kwargs)
+                                          None else wrt, model, args, kwargs, divide_later=True)
         write_back()
         carried = nnx.state(both)
 
         def update(_: Any) -> Any:  # pure: on fresh copies of the model and optimizer
             new_model, new_optimizer = nnx.merge(graphdef, carried, copy=True)
-            new_optimizer.update(new_model, res.grads)
+            like = nnx.state(new_model, optimizer.wrt if wrt is None else wrt)
+            like = jax.tree.map(lambda _, x: x, res.grads, like)  # the gradients' leaves
+            new_optimizer.update(new_model, _pipeline.divide(acc, res.grads, res.weight, like))
             return nnx.state((new_model, new_optimizer))
 
         if opts.divides_safely:  # a step of weight 0 changes nothing, carried state included

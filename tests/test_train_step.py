@@ -19,10 +19,12 @@ from conftest import (
     random_batch,
     refuses,
 )
+from flax import nnx
 from flax.training import train_state
 
 import jaxaccum
 import jaxaccum.linen
+import jaxaccum.nnx
 
 PARAMS = mlp_params(jax.random.key(0))
 BATCHES = [random_batch(jax.random.key(10 + i), 64) for i in range(5)]
@@ -253,6 +255,43 @@ def test_a_donated_step_holds_one_gradient_sized_buffer_more_than_its_gradient(k
         temp = jax.jit(linen, donate_argnums=0).lower(state, batch).compile().memory_analysis()
         assert temp.temp_size_in_bytes <= gradient + param_bytes * 101 // 100, (
             "linen", w, temp.temp_size_in_bytes, gradient, param_bytes)
+        # the NNX step (model and optimizer donated) too, within a little bookkeeping of its
+        # split and merge (a gradient-sized buffer more would be 100 %)
+        model = _NnxMlp(sizes)
+        nnx_opt = nnx.Optimizer(model, optimizer, wrt=nnx.Param)
+        nnx_step = jaxaccum.nnx.train_step(_nnx_loss(w), num_microbatches=k, weighted=w,
+                                           donate=True)
+        graphdef, state = nnx.split((model, nnx_opt))
+
+        def whole(state, batch, graphdef=graphdef, nnx_step=nnx_step):
+            model, nnx_opt = nnx.merge(graphdef, state)
+            nnx_step(model, nnx_opt, batch)
+            return nnx.state((model, nnx_opt))
+
+        temp = jax.jit(whole, donate_argnums=0).lower(state, batch).compile().memory_analysis()
+        assert temp.temp_size_in_bytes <= gradient + param_bytes * 103 // 100, (
+            "nnx", w, temp.temp_size_in_bytes, gradient, param_bytes)
+
+
+class _NnxMlp(nnx.Module):
+    def __init__(self, sizes):
+        rngs = nnx.Rngs(0)
+        self.layers = nnx.List([nnx.Linear(m, n, rngs=rngs)
+                                for m, n in zip(sizes[:-1], sizes[1:], strict=True)])
+
+    def __call__(self, x):
+        for layer in self.layers[:-1]:
+            x = jax.nn.relu(layer(x))
+        return self.layers[-1](x)
+
+
+def _nnx_loss(weighted):
+    def loss(model, batch):
+        x, y = batch
+        value = jnp.mean((model(x) - y) ** 2)
+        return (value, jnp.float32(x.shape[0])) if weighted else value
+
+    return loss
 
 
 def test_python_float_leaf_in_params():
