@@ -1,6 +1,7 @@
 """Token-budget packing of variable-length sequences, and the losses that keep it exact.
 
-:func:`pack` (and :func:`pack_stream` for a data pipeline) packs whole sequences of token ids
+:func:`pack` (:func:`pack_epoch` for a corpus, a step at a time, and :func:`pack_stream` for a
+data pipeline) packs whole sequences of token ids
 into rows of ``length`` tokens and groups the rows into micro-batches of ``rows`` rows, on the
 host, with NumPy only. Each token carries its segment id (which sequence of its row it belongs
 to, 0 for padding) and its position within its sequence; :func:`attention_mask` turns the
@@ -29,6 +30,7 @@ from jaxaccum import _microbatches, _validation
 
 PACK = "jaxaccum.packing.pack"
 PACK_STREAM = "jaxaccum.packing.pack_stream"
+PACK_EPOCH = "jaxaccum.packing.pack_epoch"
 _INT32 = np.iinfo(np.int32)
 
 
@@ -236,8 +238,27 @@ def _assemble(
                   sequence_index.reshape(grid), num_microbatches=-(-num_rows // rows))
 
 
-def pack(
-    sequences: Sequence[Any],
+def _listed(entry: str, sequences: Any) -> Any:
+    if isinstance(sequences, np.ndarray) and sequences.ndim < 2:
+        raise TypeError(
+            f"{entry}: sequences must be a list of 1-D arrays, one per sequence; got a "
+            f"{sequences.ndim}-D array (wrap a single sequence in a list: [seq])"
+        )
+    return sequences
+
+
+def _best_fit_decreasing(lengths: np.ndarray, length: int) -> tuple[np.ndarray, int]:
+    """The row of each sequence, longest first (ties in input order), and the rows used."""
+    fit = _BestFit(length)
+    row_of = np.empty(lengths.size, np.int64)
+    for i in np.argsort(-lengths, kind="stable").tolist():
+        row = fit.place(int(lengths[i]))
+        assert row is not None  # rows are unlimited here
+        row_of[i] = row
+    return row_of, len(fit.used)
+
+
+def pack(    sequences: Sequence[Any],
     *,
     rows: int,
     length: int,
@@ -251,11 +272,11 @@ def pack(
     opening when none does. It uses at most ``11/9 OPT + 4`` rows, OPT the fewest possible
     (Johnson, Demers, Ullman, Garey and Graham 1974, the worst-case bound of first-fit
     decreasing too; best fit fills the tightest gap rather than the first), and every two rows
-    together hold more than ``length`` tokens (no two could be merged). Each placement costs
-    O(log length) (a Fenwick tree over the free spaces), so a call is O(n log n) with the
-    sort. Sequences are never split; in a row they lie in input order, padding last; rows
-    are numbered in the order opened and grouped in that order, so only the last used
-    micro-batch can hold all-padding rows.
+    together hold more than ``length`` tokens (no two could be merged). Each placement is a
+    binary search over the distinct free spaces of the open rows (at most ``length`` of
+    them), so a call is O(n log n) with the sort. Sequences are never split; in a row they lie
+    in input order, padding last; rows are numbered in the order opened and grouped in that
+    order, so only the last used micro-batch can hold all-padding rows.
 
     Args:
       sequences: a list of 1-D integer arrays of token ids, each of 1 to ``length`` tokens.
@@ -299,21 +320,10 @@ def pack(
     if max_microbatches is not None:
         max_microbatches = _validation.positive_int(max_microbatches, "max_microbatches", PACK)
     pad = _pad_id(PACK, pad_id)
-    if isinstance(sequences, np.ndarray) and sequences.ndim < 2:
-        raise TypeError(
-            f"{PACK}: sequences must be a list of 1-D arrays, one per sequence; got a "
-            f"{sequences.ndim}-D array (wrap a single sequence in a list: [seq])"
-        )
-    seqs = [_sequence(PACK, s, i, length) for i, s in enumerate(sequences)]
+    seqs = [_sequence(PACK, s, i, length) for i, s in enumerate(_listed(PACK, sequences))]
     n = len(seqs)
     lengths = np.fromiter((s.size for s in seqs), np.int64, n)
-    fit = _BestFit(length)
-    row_of = np.empty(n, np.int64)
-    for i in np.argsort(-lengths, kind="stable").tolist():
-        row = fit.place(int(lengths[i]))
-        assert row is not None  # rows are unlimited here
-        row_of[i] = row
-    num_rows = len(fit.used)
+    row_of, num_rows = _best_fit_decreasing(lengths, length)
     used = -(-num_rows // rows)
     if max_microbatches is not None and used > max_microbatches:
         raise ValueError(
@@ -328,8 +338,77 @@ def pack(
                      rows=rows, length=length, pad_id=pad)
 
 
-def pack_stream(
-    sequences: Iterable[Any],
+def pack_epoch(
+    sequences: Sequence[Any],
+    *,
+    rows: int,
+    length: int,
+    max_microbatches: int,
+    pad_id: int = 0,
+) -> Iterator[Packed]:
+    """:func:`pack`'s packing of a whole corpus, yielded a step at a time, in bounded memory.
+
+    The rows are :func:`pack`'s (best-fit decreasing over every sequence), and so is their
+    order; they are cut into steps of ``max_microbatches`` micro-batches of ``rows`` rows:
+    step ``s`` holds rows ``s * M * rows`` to ``(s + 1) * M * rows - 1``. Concatenated along
+    the micro-batch axis, the steps are :func:`pack`'s output (padded to whole steps). Only
+    one step's arrays exist at a time: past the sequences given (read, not copied), the
+    memory is the plan, O(n) (about 100 bytes a sequence while it is made, 16 after), plus
+    one step's output (``16 * M * rows * length`` bytes), whatever the corpus.
+
+    Args:
+      sequences: a sequence (indexable, e.g. a list) of 1-D integer arrays of token ids,
+        each of 1 to ``length`` tokens; each is read twice (its length, then its tokens).
+      rows: the rows in a micro-batch.
+      length: the tokens in a row.
+      max_microbatches: M, the micro-batches in every step.
+      pad_id: the token id of padding.
+
+    Returns:
+      An iterator of :class:`Packed`, each ``(M, rows, length)``: every step but the last
+      has ``num_microbatches == M``; ``sequence_index`` is the index in ``sequences``.
+
+    Raises:
+      ValueError: when called (the whole corpus is planned first): a sequence longer than
+        ``length``, empty or not 1-D; ``rows``, ``length`` or ``max_microbatches`` < 1.
+      TypeError: when called: a sequence that is not of integers; a count or ``pad_id`` that
+        is not an int.
+
+    Examples:
+      >>> import numpy as np
+      >>> from jaxaccum.packing import pack_epoch
+      >>> seqs = [np.arange(1, n + 1) for n in [3, 4, 2, 5, 1, 5, 2]]
+      >>> [(p.tokens.shape, p.num_microbatches)
+      ...  for p in pack_epoch(seqs, rows=1, length=5, max_microbatches=2)]
+      [((2, 1, 5), 2), ((2, 1, 5), 2), ((2, 1, 5), 1)]
+    """
+    rows = _validation.positive_int(rows, "rows", PACK_EPOCH)
+    length = _validation.positive_int(length, "length", PACK_EPOCH)
+    steps = _validation.positive_int(max_microbatches, "max_microbatches", PACK_EPOCH)
+    pad = _pad_id(PACK_EPOCH, pad_id)
+    sequences = _listed(PACK_EPOCH, sequences)
+    lengths = np.fromiter((_sequence(PACK_EPOCH, s, i, length).size
+                           for i, s in enumerate(sequences)), np.int64)
+    row_of, num_rows = _best_fit_decreasing(lengths, length)
+    return _epoch_steps(sequences, row_of, num_rows, rows=rows, length=length,
+                        microbatches=steps, pad_id=pad)
+
+
+def _epoch_steps(sequences: Sequence[Any], row_of: np.ndarray, num_rows: int, *, rows: int,
+                 length: int, microbatches: int, pad_id: int) -> Iterator[Packed]:
+    """Assembles :func:`pack_epoch`'s steps one at a time, from the row of each sequence."""
+    per_step = microbatches * rows
+    order = np.argsort(row_of, kind="stable")  # by row, then in input order
+    bounds = np.searchsorted(row_of[order], np.arange(0, num_rows + per_step, per_step))
+    for step in range(-(-num_rows // per_step)):
+        index = order[bounds[step]:bounds[step + 1]]
+        seqs = [_sequence(PACK_EPOCH, sequences[i], int(i), length) for i in index]
+        base = step * per_step
+        yield _assemble(seqs, index, row_of[index] - base, min(num_rows - base, per_step),
+                        microbatches=microbatches, rows=rows, length=length, pad_id=pad_id)
+
+
+def pack_stream(    sequences: Iterable[Any],
     *,
     rows: int,
     length: int,

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import math
+import tracemalloc
 
 import jax
 import jax.numpy as jnp
@@ -43,6 +44,7 @@ from jaxaccum.packing import (
     Packed,
     attention_mask,
     pack,
+    pack_epoch,
     pack_stream,
     sequence_mean,
     token_mean,
@@ -327,6 +329,66 @@ def test_zipf_corpus_fill():
     bound = tokens / (length * (11 / 9 * lb + 4 + rows - 1))
     assert packed.fill >= bound >= 0.8
     assert sorted(fills) == naive_best_fit_decreasing(lengths.tolist(), length)
+
+
+# --- pack_epoch --------------------------------------------------------------------------------
+
+
+@settings(max_examples=30, deadline=None)
+@given(rows=st.integers(1, 3), length=st.integers(2, 24), m=st.integers(1, 4),
+       pad_id=st.integers(-2, 2), data=st.data())
+def test_epoch_steps_are_packs_rows_cut_into_steps(rows, length, m, pad_id, data):
+    """pack_epoch's steps, concatenated, are pack's output padded to whole steps; each step is
+    a valid layout of the sequences it holds, with M micro-batches and its own count."""
+    lengths = data.draw(st.lists(st.integers(1, length), max_size=60))
+    seqs = random_sequences(np.random.default_rng(len(lengths)), lengths)
+    steps = list(pack_epoch(seqs, rows=rows, length=length, max_microbatches=m, pad_id=pad_id))
+    whole = pack(seqs, rows=rows, length=length, pad_id=pad_id)
+    assert len(steps) == -(-whole.num_microbatches // m)
+    if not steps:
+        return
+    padded = pack(seqs, rows=rows, length=length, pad_id=pad_id,
+                  max_microbatches=len(steps) * m)
+    for field in ("tokens", "segment_ids", "positions", "sequence_index"):
+        np.testing.assert_array_equal(
+            np.concatenate([getattr(p, field) for p in steps]), getattr(padded, field))
+    for i, p in enumerate(steps):
+        held = stream_indices(p).tolist()
+        check_packed(p, [seqs[j] for j in held], rows=rows, length=length, pad_id=pad_id,
+                     index=held)
+        assert p.tokens.shape[0] == m
+        assert p.num_microbatches == (m if i < len(steps) - 1 else
+                                      whole.num_microbatches - m * (len(steps) - 1))
+
+
+def test_epoch_memory_is_one_step_past_the_input():
+    """Iterating pack_epoch allocates, past the input, the plan (a few integers a sequence)
+    and one step's arrays: far below pack's output for the whole corpus."""
+    rng = np.random.default_rng(5)
+    length, rows, m = 512, 4, 2
+    seqs = random_sequences(rng, zipf_lengths(rng, 20_000, length))
+    step_bytes = 4 * 4 * m * rows * length  # four int32 arrays
+    tracemalloc.start()
+    try:
+        tracemalloc.reset_peak()
+        steps = 0
+        for _ in pack_epoch(seqs, rows=rows, length=length, max_microbatches=m):
+            steps += 1
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    whole_output = steps * step_bytes
+    bound = 128 * len(seqs) + 8 * step_bytes  # the plan, and a few steps' worth of temporaries
+    assert peak <= bound < whole_output / 4, (peak, bound, whole_output)
+
+
+def test_epoch_refuses_bad_input_when_called():
+    with pytest.raises(ValueError, match=r"pack_epoch: sequences\[1\] has 9 tokens"):
+        pack_epoch([np.arange(3), np.arange(9)], rows=1, length=8, max_microbatches=1)
+    with pytest.raises(TypeError, match=r"pack_epoch: sequences must be a list of 1-D"):
+        pack_epoch(np.arange(3), rows=1, length=8, max_microbatches=1)
+    with pytest.raises(ValueError, match=r"pack_epoch.*max_microbatches"):
+        pack_epoch([np.arange(3)], rows=1, length=8, max_microbatches=0)
 
 
 # --- pack_stream -------------------------------------------------------------------------------
