@@ -78,8 +78,6 @@ def check_weight(weight: ArrayLike, what: str) -> None:
         value = np.asarray(weight)
     except (TypeError, jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
         return  # traced: see valid_weight
-    if value.dtype == object:
-        return
     if np.any(value < 0) or not np.all(np.isfinite(value)):
         raise ValueError(
             f"{what} must be a finite count of valid items >= 0; got {what}={value.tolist()!r}"

@@ -399,6 +399,15 @@ def stream_indices(packed):
     return np.unique(packed.sequence_index[packed.segment_ids > 0])
 
 
+def test_stream_with_a_long_lookahead_packs_every_sequence_once():
+    """A lookahead of 300 that fills (every waiting sequence tried and failed before the step
+    ends): the waiting sequences go to the next steps, each once, in arrival order."""
+    seqs = [np.full(6, 1, np.int32)] + [np.full(5, 2, np.int32)] * 300
+    steps = list(pack_stream(iter(seqs), rows=1, length=10, max_microbatches=1, lookahead=300))
+    assert [stream_indices(p).tolist() for p in steps] == (
+        [[0]] + [[i, i + 1] for i in range(1, 301, 2)])
+
+
 @pytest.mark.parametrize("lookahead", [1, 4, 32])
 def test_stream_every_sequence_once(lookahead):
     rng = np.random.default_rng(8)
