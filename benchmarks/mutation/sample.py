@@ -4,7 +4,10 @@
 deletes from the session every mutant outside the sample (and outside this shard), so that
 ``cosmic-ray exec`` runs only the sample. Mutants inside type annotations are left out before
 sampling: with ``from __future__ import annotations`` they are never evaluated (equivalent by
-construction). The sample is proportional to each module's mutants, at least ``--floor`` each.
+construction). The sample is proportional to each module's mutants, at least ``--floor`` each;
+each module's mutants are drawn with their own generator (seeded by the seed and the module's
+path), so a module's sample depends only on its own code and its share of the total.
+``--modules a.py,b.py`` keeps only those modules' samples: to rerun the modules that changed.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=20261201)
     parser.add_argument("--floor", type=int, default=20)
     parser.add_argument("--shard", default="0/1")
+    parser.add_argument("--modules", default="", help="comma-separated paths (default: all)")
     args = parser.parse_args()
     db = sqlite3.connect(args.session)
     # in the order of the code (job ids are random), so a seed picks the same mutants of the
@@ -56,13 +60,15 @@ def main() -> None:
     for s in live:
         by_module[s[1]].append(s[0])
     total = len(live)
-    rng = random.Random(args.seed)
+    only = set(filter(None, args.modules.split(",")))
     chosen: list[str] = []
     for path in sorted(by_module):
         jobs = by_module[path]  # in the order of the code
         n = min(len(jobs), max(args.floor, round(args.size * len(jobs) / total)))
-        chosen += rng.sample(jobs, n)
-    rng.shuffle(chosen)
+        picked = random.Random(f"{args.seed}:{path}").sample(jobs, n)
+        if not only or path in only:
+            chosen += picked
+    random.Random(args.seed).shuffle(chosen)
     index, count = map(int, args.shard.split("/"))
     keep = set(chosen[index::count])
     drop = [(s[0],) for s in specs if s[0] not in keep]
