@@ -1,0 +1,218 @@
+"""The tile engine of the contrastive losses: pairwise reductions of ``score(params, a, b)``
+over every pair ``(a_i, b_j)``, tile by tile, with a custom VJP that recomputes each tile's
+scores in the backward pass (as flash attention does), so that no ``(n_a, n_b)`` array exists
+in the forward or the backward pass.
+
+Two reductions: :func:`logsumexp` (per row ``i``, a streaming log-sum-exp over the valid
+columns ``j``) and :func:`total` (the sum of a per-pair term over the valid pairs). Inputs are
+pytrees whose leaves share a leading axis (the examples); they are padded to whole tiles, and
+the padding is masked out with the validity weights.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+Score = Callable[[Any, Any, Any], jax.Array]
+Term = Callable[[Any, Any, Any, jax.Array], jax.Array]
+
+
+class Grid(NamedTuple):
+    """The tiling of ``n_a`` rows by ``n_b`` columns: tiles of ``ta`` by ``tb``, ``rows`` by
+    ``cols`` of them (the inputs padded to ``rows * ta`` and ``cols * tb``)."""
+
+    n_a: int
+    n_b: int
+    ta: int
+    tb: int
+    rows: int
+    cols: int
+
+
+def grid(n_a: int, n_b: int, tile: int) -> Grid:
+    ta, tb = max(1, min(tile, n_a)), max(1, min(tile, n_b))
+    return Grid(n_a, n_b, ta, tb, -(-n_a // ta), -(-n_b // tb))
+
+
+def pad(tree: Any, size: int) -> Any:
+    """Each leaf padded with zeros along its leading axis to ``size``."""
+    def one(x: jax.Array) -> jax.Array:
+        return jnp.pad(x, [(0, size - x.shape[0])] + [(0, 0)] * (x.ndim - 1))
+    return jax.tree.map(one, tree)
+
+
+def take(tree: Any, start: jax.Array, size: int) -> Any:
+    return jax.tree.map(lambda x: lax.dynamic_slice_in_dim(x, start, size), tree)
+
+
+def put_add(tree: Any, start: jax.Array, part: Any) -> Any:
+    """``tree[start:start + len(part)] += part``, leaf by leaf, in place in a loop."""
+    def one(x: jax.Array, p: jax.Array) -> jax.Array:
+        size = p.shape[0]
+        return lax.dynamic_update_slice_in_dim(
+            x, lax.dynamic_slice_in_dim(x, start, size) + p.astype(x.dtype), start, 0)
+    return jax.tree.map(one, tree, part)
+
+
+def _zeros_like(tree: Any) -> Any:
+    """Float32 accumulators for the cotangents of ``tree``'s leaves (summed over many tiles)."""
+    return jax.tree.map(lambda x: jnp.zeros(jnp.shape(x), jnp.float32), tree)
+
+
+def _cast_like(tree: Any, like: Any) -> Any:
+    return jax.tree.map(lambda x, y: x.astype(jnp.result_type(y)), tree, like)
+
+
+def _inputs(g: Grid, a: Any, b: Any, wa: jax.Array, wb: jax.Array) -> tuple[Any, ...]:
+    return (pad(a, g.rows * g.ta), pad(b, g.cols * g.tb), pad(wa, g.rows * g.ta),
+            pad(wb, g.cols * g.tb))
+
+
+def _lse_rows(score: Score, g: Grid, params: Any, a: Any, b: Any, wb: jax.Array) -> jax.Array:
+    """The padded forward: for every row, log sum_j exp(score_ij) over columns of weight > 0."""
+
+    def row_tile(_: None, r: jax.Array) -> tuple[None, jax.Array]:
+        x = take(a, r * g.ta, g.ta)
+
+        def col_tile(carry: tuple[jax.Array, jax.Array], c: jax.Array) -> tuple[Any, None]:
+            m, s = carry
+            y, valid = take(b, c * g.tb, g.tb), take(wb, c * g.tb, g.tb) > 0
+            z = jnp.where(valid[None, :], score(params, x, y).astype(jnp.float32), -jnp.inf)
+            new = jnp.maximum(m, jnp.max(z, axis=1))
+            safe = jnp.where(jnp.isfinite(new), new, 0.0)
+            s = s * jnp.exp(m - safe) + jnp.sum(jnp.exp(z - safe[:, None]), axis=1)
+            return (new, s), None
+
+        start = (jnp.full((g.ta,), -jnp.inf, jnp.float32), jnp.zeros((g.ta,), jnp.float32))
+        (m, s), _ = lax.scan(col_tile, start, jnp.arange(g.cols))
+        return None, jnp.where(s > 0, jnp.where(jnp.isfinite(m), m, 0.0) + jnp.log(s), -jnp.inf)
+
+    _, lse = lax.scan(row_tile, None, jnp.arange(g.rows))
+    return lse.reshape(-1)
+
+
+def _pullback(tile_ct: Callable[..., tuple[Any, ...]], g: Grid, params: Any, a: Any,
+              b: Any) -> tuple[Any, Any, Any]:
+    """Sums, over every tile, the cotangents ``tile_ct(r, c, x, y)`` returns for ``(params,
+    a rows, b cols)``: the backward pass, one tile live at a time."""
+
+    def row_tile(carry: tuple[Any, Any], r: jax.Array) -> tuple[Any, Any]:
+        dp, db = carry
+        x = take(a, r * g.ta, g.ta)
+
+        def col_tile(inner: tuple[Any, Any, Any], c: jax.Array) -> tuple[Any, None]:
+            dp, dx, db = inner
+            y = take(b, c * g.tb, g.tb)
+            tp, tx, ty = tile_ct(r, c, x, y)
+            add = functools.partial(jax.tree.map, lambda s, t: s + t.astype(s.dtype))
+            return (add(dp, tp), add(dx, tx), put_add(db, c * g.tb, ty)), None
+
+        (dp, dx, db), _ = lax.scan(col_tile, (dp, _zeros_like(x), db), jnp.arange(g.cols))
+        return (dp, db), dx
+
+    (dp, db), da = lax.scan(row_tile, (_zeros_like(params), _zeros_like(b)),
+                            jnp.arange(g.rows))
+    da = jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), da)
+    return _cast_like(dp, params), _cast_like(da, a), _cast_like(db, b)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def logsumexp(score: Score, tile: int, params: Any, a: Any, b: Any, wb: jax.Array) -> jax.Array:
+    """``lse_i = log sum_j exp(score(params, a, b)_ij)`` over the columns ``j`` whose weight
+    ``wb_j > 0`` (``-inf`` for a row with none), for every row of ``a``: shape ``(n_a,)``,
+    float32, computed tile by tile. ``score(params, x, y)`` gets row and column tiles and
+    returns their ``(len(x), len(y))`` scores."""
+    return _lse_forward(score, tile, params, a, b, wb)[0]
+
+
+def _lse_forward(score: Score, tile: int, params: Any, a: Any, b: Any,
+                 wb: jax.Array) -> tuple[jax.Array, Any]:
+    n_a, n_b = jax.tree.leaves(a)[0].shape[0], jax.tree.leaves(b)[0].shape[0]
+    g = grid(n_a, n_b, tile)
+    pa, pb, _, pwb = _inputs(g, a, b, jnp.ones((n_a,)), wb)
+    lse = _lse_rows(score, g, params, pa, pb, pwb)
+    return lse[:n_a], (params, a, b, wb, lse)
+
+
+def _lse_backward(score: Score, tile: int, res: Any, ct: jax.Array) -> tuple[Any, ...]:
+    params, a, b, wb, lse = res
+    n_a, n_b = jax.tree.leaves(a)[0].shape[0], jax.tree.leaves(b)[0].shape[0]
+    g = grid(n_a, n_b, tile)
+    pa, pb, _, pwb = _inputs(g, a, b, jnp.ones((n_a,)), wb)
+    ct = jnp.where(jnp.isfinite(lse), pad(ct.astype(jnp.float32), g.rows * g.ta), 0.0)
+    finite_lse = jnp.where(jnp.isfinite(lse), lse, 0.0)
+
+    def tile_ct(r: jax.Array, c: jax.Array, x: Any, y: Any) -> tuple[Any, ...]:
+        z, pull = jax.vjp(lambda p, x, y: score(p, x, y).astype(jnp.float32), params, x, y)
+        valid = take(pwb, c * g.tb, g.tb) > 0
+        row_lse, row_ct = take(finite_lse, r * g.ta, g.ta), take(ct, r * g.ta, g.ta)
+        prob = jnp.where(valid[None, :], jnp.exp(z - row_lse[:, None]), 0.0)
+        return pull((row_ct[:, None] * prob).astype(z.dtype))
+
+    dp, da, db = _pullback(tile_ct, g, params, pa, pb)
+    return (dp, jax.tree.map(lambda x: x[:n_a], da), jax.tree.map(lambda x: x[:n_b], db),
+            jnp.zeros_like(wb))
+
+
+logsumexp.defvjp(_lse_forward, _lse_backward)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def total(term: Term, tile: int, params: Any, a: Any, b: Any, wa: jax.Array,
+          wb: jax.Array) -> jax.Array:
+    """``sum_ij term(params, a, b, positive)_ij`` over the pairs whose weights ``wa_i`` and
+    ``wb_j`` are both > 0, tile by tile (float32). ``positive`` is the tile's ``(len(x),
+    len(y))`` boolean matrix of ``i == j`` (the matching pairs)."""
+    return _total_forward(term, tile, params, a, b, wa, wb)[0]
+
+
+def _tile_term(term: Term, g: Grid, params: Any, x: Any, y: Any, r: jax.Array, c: jax.Array,
+               pwa: jax.Array, pwb: jax.Array) -> jax.Array:
+    rows, cols = r * g.ta + jnp.arange(g.ta), c * g.tb + jnp.arange(g.tb)
+    valid = (take(pwa, r * g.ta, g.ta) > 0)[:, None] & (take(pwb, c * g.tb, g.tb) > 0)[None, :]
+    value = term(params, x, y, rows[:, None] == cols[None, :]).astype(jnp.float32)
+    return jnp.sum(jnp.where(valid, value, 0.0))
+
+
+def _total_forward(term: Term, tile: int, params: Any, a: Any, b: Any, wa: jax.Array,
+                   wb: jax.Array) -> tuple[jax.Array, Any]:
+    n_a, n_b = jax.tree.leaves(a)[0].shape[0], jax.tree.leaves(b)[0].shape[0]
+    g = grid(n_a, n_b, tile)
+    pa, pb, pwa, pwb = _inputs(g, a, b, wa, wb)
+
+    def row_tile(acc: jax.Array, r: jax.Array) -> tuple[jax.Array, None]:
+        x = take(pa, r * g.ta, g.ta)
+
+        def col_tile(acc: jax.Array, c: jax.Array) -> tuple[jax.Array, None]:
+            y = take(pb, c * g.tb, g.tb)
+            return acc + _tile_term(term, g, params, x, y, r, c, pwa, pwb), None
+
+        return lax.scan(col_tile, acc, jnp.arange(g.cols))[0], None
+
+    value = lax.scan(row_tile, jnp.zeros((), jnp.float32), jnp.arange(g.rows))[0]
+    return value, (params, a, b, wa, wb)
+
+
+def _total_backward(term: Term, tile: int, res: Any, ct: jax.Array) -> tuple[Any, ...]:
+    params, a, b, wa, wb = res
+    n_a, n_b = jax.tree.leaves(a)[0].shape[0], jax.tree.leaves(b)[0].shape[0]
+    g = grid(n_a, n_b, tile)
+    pa, pb, pwa, pwb = _inputs(g, a, b, wa, wb)
+
+    def tile_ct(r: jax.Array, c: jax.Array, x: Any, y: Any) -> tuple[Any, ...]:
+        value, pull = jax.vjp(
+            lambda p, x, y: _tile_term(term, g, p, x, y, r, c, pwa, pwb), params, x, y)
+        return pull(ct.astype(value.dtype))
+
+    dp, da, db = _pullback(tile_ct, g, params, pa, pb)
+    return (dp, jax.tree.map(lambda x: x[:n_a], da), jax.tree.map(lambda x: x[:n_b], db),
+            jnp.zeros_like(wa), jnp.zeros_like(wb))
+
+
+total.defvjp(_total_forward, _total_backward)
