@@ -74,27 +74,48 @@ def _inputs(g: Grid, a: Any, b: Any, wa: jax.Array, wb: jax.Array) -> tuple[Any,
             pad(wb, g.cols * g.tb))
 
 
-def _lse_rows(score: Score, g: Grid, params: Any, a: Any, b: Any, wb: jax.Array) -> jax.Array:
-    """The padded forward: for every row, log sum_j exp(score_ij) over columns of weight > 0."""
+def _lse(score: Score, g: Grid, both: bool, params: Any, a: Any, b: Any, wa: jax.Array,
+         wb: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The padded forward: for every row, log sum_j exp(score_ij) over the columns of weight
+    > 0; with ``both``, for every column too, over the rows of weight > 0 (else zeros)."""
 
-    def row_tile(_: None, r: jax.Array) -> tuple[None, jax.Array]:
-        x = take(a, r * g.ta, g.ta)
+    def row_tile(cols: tuple[jax.Array, jax.Array], r: jax.Array) -> tuple[Any, jax.Array]:
+        x, row_ok = take(a, r * g.ta, g.ta), take(wa, r * g.ta, g.ta) > 0
 
-        def col_tile(carry: tuple[jax.Array, jax.Array], c: jax.Array) -> tuple[Any, None]:
-            m, s = carry
-            y, valid = take(b, c * g.tb, g.tb), take(wb, c * g.tb, g.tb) > 0
-            z = jnp.where(valid[None, :], score(params, x, y).astype(jnp.float32), -jnp.inf)
-            new = jnp.maximum(m, jnp.max(z, axis=1))
-            safe = jnp.where(jnp.isfinite(new), new, 0.0)
-            s = s * jnp.exp(m - safe) + jnp.sum(jnp.exp(z - safe[:, None]), axis=1)
-            return (new, s), None
+        def col_tile(carry: tuple[jax.Array, ...], c: jax.Array) -> tuple[Any, None]:
+            m, s, cm, cs = carry
+            y, col_ok = take(b, c * g.tb, g.tb), take(wb, c * g.tb, g.tb) > 0
+            z = score(params, x, y).astype(jnp.float32)
+            m, s = _stream(m, s, jnp.where(col_ok[None, :], z, -jnp.inf), axis=1)
+            if both:
+                seg_m, seg_s = _stream(take(cm, c * g.tb, g.tb), take(cs, c * g.tb, g.tb),
+                                       jnp.where(row_ok[:, None], z, -jnp.inf), axis=0)
+                cm = lax.dynamic_update_slice_in_dim(cm, seg_m, c * g.tb, 0)
+                cs = lax.dynamic_update_slice_in_dim(cs, seg_s, c * g.tb, 0)
+            return (m, s, cm, cs), None
 
         start = (jnp.full((g.ta,), -jnp.inf, jnp.float32), jnp.zeros((g.ta,), jnp.float32))
-        (m, s), _ = lax.scan(col_tile, start, jnp.arange(g.cols))
-        return None, jnp.where(s > 0, jnp.where(jnp.isfinite(m), m, 0.0) + jnp.log(s), -jnp.inf)
+        (m, s, cm, cs), _ = lax.scan(col_tile, (*start, *cols), jnp.arange(g.cols))
+        return (cm, cs), _finish(m, s)
 
-    _, lse = lax.scan(row_tile, None, jnp.arange(g.rows))
-    return lse.reshape(-1)
+    n = g.cols * g.tb if both else 1
+    cols = (jnp.full((n,), -jnp.inf, jnp.float32), jnp.zeros((n,), jnp.float32))
+    (cm, cs), rows = lax.scan(row_tile, cols, jnp.arange(g.rows))
+    return rows.reshape(-1), _finish(cm, cs) if both else jnp.zeros((g.cols * g.tb,))
+
+
+def _stream(m: jax.Array, s: jax.Array, z: jax.Array, axis: int) -> tuple[jax.Array, jax.Array]:
+    """A streaming log-sum-exp step: the running maximum ``m`` and the sum ``s`` of
+    ``exp(. - m)``, updated with the scores ``z`` reduced along ``axis``."""
+    new = jnp.maximum(m, jnp.max(z, axis=axis))
+    safe = jnp.where(jnp.isfinite(new), new, 0.0)
+    return new, s * jnp.exp(m - safe) + jnp.sum(jnp.exp(z - jnp.expand_dims(safe, axis)),
+                                                axis=axis)
+
+
+def _finish(m: jax.Array, s: jax.Array) -> jax.Array:
+    """``m + log s``, -inf where nothing was summed."""
+    return jnp.where(s > 0, jnp.where(jnp.isfinite(m), m, 0.0) + jnp.log(s), -jnp.inf)
 
 
 def _pullback(tile_ct: Callable[..., tuple[Any, ...]], g: Grid, params: Any, a: Any,
@@ -122,42 +143,57 @@ def _pullback(tile_ct: Callable[..., tuple[Any, ...]], g: Grid, params: Any, a: 
     return _cast_like(dp, params), _cast_like(da, a), _cast_like(db, b)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def logsumexp(score: Score, tile: int, params: Any, a: Any, b: Any, wb: jax.Array) -> jax.Array:
-    """``lse_i = log sum_j exp(score(params, a, b)_ij)`` over the columns ``j`` whose weight
-    ``wb_j > 0`` (``-inf`` for a row with none), for every row of ``a``: shape ``(n_a,)``,
-    float32, computed tile by tile. ``score(params, x, y)`` gets row and column tiles and
-    returns their ``(len(x), len(y))`` scores."""
-    return _lse_forward(score, tile, params, a, b, wb)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def logsumexp(score: Score, tile: int, both: bool, params: Any, a: Any, b: Any, wa: jax.Array,
+              wb: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(rows, cols)``: ``rows_i = log sum_j exp(score(params, a, b)_ij)`` over the columns
+    ``j`` of weight ``wb_j > 0`` (``-inf`` for a row with none), float32 ``(n_a,)``; with
+    ``both``, ``cols_j`` likewise over the rows ``i`` of weight ``wa_i > 0`` (else zeros),
+    ``(n_b,)``. Computed tile by tile, both from the same tiles. ``score(params, x, y)`` gets
+    row and column tiles and returns their ``(len(x), len(y))`` scores."""
+    return _lse_forward(score, tile, both, params, a, b, wa, wb)[0]
 
 
-def _lse_forward(score: Score, tile: int, params: Any, a: Any, b: Any,
-                 wb: jax.Array) -> tuple[jax.Array, Any]:
-    n_a, n_b = jax.tree.leaves(a)[0].shape[0], jax.tree.leaves(b)[0].shape[0]
+def _sizes(a: Any, b: Any) -> tuple[int, int]:
+    return jax.tree.leaves(a)[0].shape[0], jax.tree.leaves(b)[0].shape[0]
+
+
+def _lse_forward(score: Score, tile: int, both: bool, params: Any, a: Any, b: Any,
+                 wa: jax.Array, wb: jax.Array) -> tuple[tuple[jax.Array, jax.Array], Any]:
+    n_a, n_b = _sizes(a, b)
     g = grid(n_a, n_b, tile)
-    pa, pb, _, pwb = _inputs(g, a, b, jnp.ones((n_a,)), wb)
-    lse = _lse_rows(score, g, params, pa, pb, pwb)
-    return lse[:n_a], (params, a, b, wb, lse)
+    rows, cols = _lse(score, g, both, params, *_inputs(g, a, b, wa, wb))
+    return (rows[:n_a], cols[:n_b]), (params, a, b, wa, wb, rows, cols)
 
 
-def _lse_backward(score: Score, tile: int, res: Any, ct: jax.Array) -> tuple[Any, ...]:
-    params, a, b, wb, lse = res
-    n_a, n_b = jax.tree.leaves(a)[0].shape[0], jax.tree.leaves(b)[0].shape[0]
+def _lse_backward(score: Score, tile: int, both: bool, res: Any,
+                  ct: tuple[jax.Array, jax.Array]) -> tuple[Any, ...]:
+    params, a, b, wa, wb, rows, cols = res
+    n_a, n_b = _sizes(a, b)
     g = grid(n_a, n_b, tile)
-    pa, pb, _, pwb = _inputs(g, a, b, jnp.ones((n_a,)), wb)
-    ct = jnp.where(jnp.isfinite(lse), pad(ct.astype(jnp.float32), g.rows * g.ta), 0.0)
-    finite_lse = jnp.where(jnp.isfinite(lse), lse, 0.0)
+    pa, pb, pwa, pwb = _inputs(g, a, b, wa, wb)
+
+    def weights(lse: jax.Array, ct: jax.Array, size: int) -> tuple[jax.Array, jax.Array]:
+        finite = jnp.isfinite(lse)
+        return jnp.where(finite, lse, 0.0), jnp.where(finite, pad(ct.astype(jnp.float32),
+                                                                   size), 0.0)
+
+    row_lse, row_ct = weights(rows, ct[0], g.rows * g.ta)
+    col_lse, col_ct = weights(cols, ct[1], g.cols * g.tb)
 
     def tile_ct(r: jax.Array, c: jax.Array, x: Any, y: Any) -> tuple[Any, ...]:
         z, pull = jax.vjp(lambda p, x, y: score(p, x, y).astype(jnp.float32), params, x, y)
-        valid = take(pwb, c * g.tb, g.tb) > 0
-        row_lse, row_ct = take(finite_lse, r * g.ta, g.ta), take(ct, r * g.ta, g.ta)
-        prob = jnp.where(valid[None, :], jnp.exp(z - row_lse[:, None]), 0.0)
-        return pull((row_ct[:, None] * prob).astype(z.dtype))
+        row_ok, col_ok = take(pwa, r * g.ta, g.ta) > 0, take(pwb, c * g.tb, g.tb) > 0
+        lse_r, ct_r = take(row_lse, r * g.ta, g.ta), take(row_ct, r * g.ta, g.ta)
+        grad = jnp.where(col_ok[None, :], ct_r[:, None] * jnp.exp(z - lse_r[:, None]), 0.0)
+        if both:
+            lse_c, ct_c = take(col_lse, c * g.tb, g.tb), take(col_ct, c * g.tb, g.tb)
+            grad += jnp.where(row_ok[:, None], ct_c[None, :] * jnp.exp(z - lse_c[None, :]), 0.0)
+        return pull(grad.astype(z.dtype))
 
     dp, da, db = _pullback(tile_ct, g, params, pa, pb)
     return (dp, jax.tree.map(lambda x: x[:n_a], da), jax.tree.map(lambda x: x[:n_b], db),
-            jnp.zeros_like(wb))
+            jnp.zeros_like(wa), jnp.zeros_like(wb))
 
 
 logsumexp.defvjp(_lse_forward, _lse_backward)

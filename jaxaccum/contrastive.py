@@ -129,8 +129,7 @@ def clip_loss(a: ArrayLike, b: ArrayLike, logit_scale: ArrayLike, *, tile: int =
     def score(log_scale: jax.Array, x: jax.Array, y: jax.Array) -> jax.Array:
         return jnp.exp(log_scale) * _dot(x, y)
 
-    rows = _tiles.logsumexp(score, tile, scale, a, b, w)
-    cols = _tiles.logsumexp(score, tile, scale, b, a, w)
+    rows, cols = _tiles.logsumexp(score, tile, True, scale, a, b, w, w)
     matched = jnp.exp(scale) * jnp.sum(a.astype(jnp.float32) * b.astype(jnp.float32), axis=1)
     kept = jnp.sum(w)
     both = jnp.where(w > 0, rows + cols - 2 * matched, 0.0)
@@ -220,9 +219,9 @@ def pairwise_logsumexp(score: Callable[[Any, Any, Any], jax.Array], params: Any,
     """
     entry = "jaxaccum.contrastive.pairwise_logsumexp"
     tile = _check_tile(entry, tile)
-    _rows(entry, "a", a)
-    n_b = _rows(entry, "b", b)
-    return _tiles.logsumexp(score, tile, params, a, b, _weights(entry, "mask", mask, n_b))
+    n_a, n_b = _rows(entry, "a", a), _rows(entry, "b", b)
+    return _tiles.logsumexp(score, tile, False, params, a, b, jnp.ones((n_a,), jnp.float32),
+                            _weights(entry, "mask", mask, n_b))[0]
 
 
 def pairwise_sum(term: Callable[[Any, Any, Any, jax.Array], jax.Array], params: Any, a: Any,
