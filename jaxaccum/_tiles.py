@@ -78,8 +78,24 @@ def _lse(score: Score, g: Grid, both: bool, params: Any, a: Any, b: Any, wa: jax
          wb: jax.Array) -> tuple[jax.Array, jax.Array]:
     """The padded forward: for every row, log sum_j exp(score_ij) over the columns of weight
     > 0; with ``both``, for every column too, over the rows of weight > 0 (else zeros)."""
+    rows, cols = lse_stats(score, g, both, params, a, b, wa, wb, empty_stats(g.rows * g.ta),
+                           empty_stats(g.cols * g.tb if both else 1))
+    return finish(*rows), finish(*cols) if both else jnp.zeros((g.cols * g.tb,))
 
-    def row_tile(cols: tuple[jax.Array, jax.Array], r: jax.Array) -> tuple[Any, jax.Array]:
+
+def empty_stats(n: int) -> tuple[jax.Array, jax.Array]:
+    """The running maximum and sum of a streaming log-sum-exp over nothing yet."""
+    return jnp.full((n,), -jnp.inf, jnp.float32), jnp.zeros((n,), jnp.float32)
+
+
+def lse_stats(score: Score, g: Grid, both: bool, params: Any, a: Any, b: Any, wa: jax.Array,
+              wb: jax.Array, rows: tuple[jax.Array, jax.Array],
+              cols: tuple[jax.Array, jax.Array]) -> tuple[Any, Any]:
+    """The streaming log-sum-exp statistics ``(max, sum)`` of every row (over the columns of
+    weight > 0) and, with ``both``, of every column (over the rows of weight > 0), updated
+    from ``rows`` and ``cols`` with the scores of ``a`` (padded) against ``b`` (padded)."""
+
+    def row_tile(cols: tuple[jax.Array, jax.Array], r: jax.Array) -> tuple[Any, Any]:
         x, row_ok = take(a, r * g.ta, g.ta), take(wa, r * g.ta, g.ta) > 0
 
         def col_tile(carry: tuple[jax.Array, ...], c: jax.Array) -> tuple[Any, None]:
@@ -94,14 +110,12 @@ def _lse(score: Score, g: Grid, both: bool, params: Any, a: Any, b: Any, wa: jax
                 cs = lax.dynamic_update_slice_in_dim(cs, seg_s, c * g.tb, 0)
             return (m, s, cm, cs), None
 
-        start = (jnp.full((g.ta,), -jnp.inf, jnp.float32), jnp.zeros((g.ta,), jnp.float32))
+        start = (take(rows[0], r * g.ta, g.ta), take(rows[1], r * g.ta, g.ta))
         (m, s, cm, cs), _ = lax.scan(col_tile, (*start, *cols), jnp.arange(g.cols))
-        return (cm, cs), _finish(m, s)
+        return (cm, cs), (m, s)
 
-    n = g.cols * g.tb if both else 1
-    cols = (jnp.full((n,), -jnp.inf, jnp.float32), jnp.zeros((n,), jnp.float32))
-    (cm, cs), rows = lax.scan(row_tile, cols, jnp.arange(g.rows))
-    return rows.reshape(-1), _finish(cm, cs) if both else jnp.zeros((g.cols * g.tb,))
+    cols, (m, s) = lax.scan(row_tile, cols, jnp.arange(g.rows))
+    return (m.reshape(-1), s.reshape(-1)), cols
 
 
 def _stream(m: jax.Array, s: jax.Array, z: jax.Array, axis: int) -> tuple[jax.Array, jax.Array]:
@@ -113,15 +127,16 @@ def _stream(m: jax.Array, s: jax.Array, z: jax.Array, axis: int) -> tuple[jax.Ar
                                                 axis=axis)
 
 
-def _finish(m: jax.Array, s: jax.Array) -> jax.Array:
+def finish(m: jax.Array, s: jax.Array) -> jax.Array:
     """``m + log s``, -inf where nothing was summed."""
     return jnp.where(s > 0, jnp.where(jnp.isfinite(m), m, 0.0) + jnp.log(s), -jnp.inf)
 
 
-def _pullback(tile_ct: Callable[..., tuple[Any, ...]], g: Grid, params: Any, a: Any,
-              b: Any) -> tuple[Any, Any, Any]:
+def pullback(tile_ct: Callable[..., tuple[Any, ...]], g: Grid, params: Any, a: Any,
+             b: Any, vary: Callable[[Any], Any] = lambda tree: tree) -> tuple[Any, Any, Any]:
     """Sums, over every tile, the cotangents ``tile_ct(r, c, x, y)`` returns for ``(params,
-    a rows, b cols)``: the backward pass, one tile live at a time."""
+    a rows, b cols)``: the backward pass, one tile live at a time. ``vary`` types the
+    accumulators' zeros as the carries they become (device-varying inside a ring)."""
 
     def row_tile(carry: tuple[Any, Any], r: jax.Array) -> tuple[Any, Any]:
         dp, db = carry
@@ -134,10 +149,11 @@ def _pullback(tile_ct: Callable[..., tuple[Any, ...]], g: Grid, params: Any, a: 
             add = functools.partial(jax.tree.map, lambda s, t: s + t.astype(s.dtype))
             return (add(dp, tp), add(dx, tx), put_add(db, c * g.tb, ty)), None
 
-        (dp, dx, db), _ = lax.scan(col_tile, (dp, _zeros_like(x), db), jnp.arange(g.cols))
+        (dp, dx, db), _ = lax.scan(col_tile, (dp, vary(_zeros_like(x)), db),
+                                   jnp.arange(g.cols))
         return (dp, db), dx
 
-    (dp, db), da = lax.scan(row_tile, (_zeros_like(params), _zeros_like(b)),
+    (dp, db), da = lax.scan(row_tile, vary((_zeros_like(params), _zeros_like(b))),
                             jnp.arange(g.rows))
     da = jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), da)
     return _cast_like(dp, params), _cast_like(da, a), _cast_like(db, b)
@@ -191,7 +207,7 @@ def _lse_backward(score: Score, tile: int, both: bool, res: Any,
             grad += jnp.where(row_ok[:, None], ct_c[None, :] * jnp.exp(z - lse_c[None, :]), 0.0)
         return pull(grad.astype(z.dtype))
 
-    dp, da, db = _pullback(tile_ct, g, params, pa, pb)
+    dp, da, db = pullback(tile_ct, g, params, pa, pb)
     return (dp, jax.tree.map(lambda x: x[:n_a], da), jax.tree.map(lambda x: x[:n_b], db),
             jnp.zeros_like(wa), jnp.zeros_like(wb))
 
@@ -209,8 +225,10 @@ def total(term: Term, tile: int, params: Any, a: Any, b: Any, wa: jax.Array,
 
 
 def _tile_term(term: Term, g: Grid, params: Any, x: Any, y: Any, r: jax.Array, c: jax.Array,
-               pwa: jax.Array, pwb: jax.Array) -> jax.Array:
-    rows, cols = r * g.ta + jnp.arange(g.ta), c * g.tb + jnp.arange(g.tb)
+               pwa: jax.Array, pwb: jax.Array, shift: Any = 0) -> jax.Array:
+    """The tile's sum of ``term`` over its valid pairs; ``positive`` where the row's index
+    plus ``shift`` is the column's (their global indices, on a ring)."""
+    rows, cols = r * g.ta + jnp.arange(g.ta) + shift, c * g.tb + jnp.arange(g.tb)
     valid = (take(pwa, r * g.ta, g.ta) > 0)[:, None] & (take(pwb, c * g.tb, g.tb) > 0)[None, :]
     value = term(params, x, y, rows[:, None] == cols[None, :]).astype(jnp.float32)
     return jnp.sum(jnp.where(valid, value, 0.0))
@@ -246,7 +264,7 @@ def _total_backward(term: Term, tile: int, res: Any, ct: jax.Array) -> tuple[Any
             lambda p, x, y: _tile_term(term, g, p, x, y, r, c, pwa, pwb), params, x, y)
         return pull(ct.astype(value.dtype))
 
-    dp, da, db = _pullback(tile_ct, g, params, pa, pb)
+    dp, da, db = pullback(tile_ct, g, params, pa, pb)
     return (dp, jax.tree.map(lambda x: x[:n_a], da), jax.tree.map(lambda x: x[:n_b], db),
             jnp.zeros_like(wa), jnp.zeros_like(wb))
 

@@ -1,0 +1,188 @@
+"""The tiled pairwise reductions across the devices of a mesh axis, by a ring.
+
+Inside ``jax.shard_map`` each device holds its own rows of both sides. The other side's
+blocks travel around the ring (``lax.ppermute`` to the next device, N - 1 hops and one home):
+at each step a device scores its rows against the block it holds, tile by tile
+(:mod:`jaxaccum._tiles`), and the block carries its own running statistics (the columns'
+log-sum-exp in the forward pass; the columns' cotangent in the backward pass) until it is home
+again. No device holds more than its rows and one visiting block of the representations, and
+no ``B x B`` array exists anywhere. The backward pass is a second ring (a custom VJP).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxaccum import _tiles
+from jaxaccum._tiles import Score, Term
+
+
+def _hop(axis: str, tree: Any) -> Any:
+    """Every device's ``tree`` to the next device of the ring."""
+    n = lax.axis_size(axis)
+    return lax.ppermute(tree, axis, [(i, (i + 1) % n) for i in range(n)])
+
+
+def _vary(axis: str) -> Any:
+    """Types a pytree of fresh arrays as varying over ``axis`` (the carries of the loops)."""
+    return lambda tree: jax.tree.map(lambda x: lax.pcast(x, (axis,), to="varying"), tree)
+
+
+def _add(x: Any, y: Any) -> Any:
+    return jax.tree.map(lambda a, b: a + b.astype(a.dtype), x, y)
+
+
+def _f32_zeros(tree: Any) -> Any:
+    return jax.tree.map(lambda x: jnp.zeros(jnp.shape(x), jnp.float32), tree)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def logsumexp(score: Score, tile: int, axis: str, params: Any, a: Any, b: Any, wa: jax.Array,
+              wb: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """:func:`jaxaccum._tiles.logsumexp` (both directions) over the whole axis: this device's
+    rows of ``a`` against every device's ``b`` (``rows``), and this device's columns of ``b``
+    against every device's ``a`` (``cols``)."""
+    return _forward(score, tile, axis, params, a, b, wa, wb)[0]
+
+
+def _forward(score: Score, tile: int, axis: str, params: Any, a: Any, b: Any, wa: jax.Array,
+             wb: jax.Array) -> tuple[tuple[jax.Array, jax.Array], Any]:
+    n_a, n_b = _tiles._sizes(a, b)
+    g = _tiles.grid(n_a, n_b, tile)
+    pa, pb, pwa, pwb = _tiles._inputs(g, a, b, wa, wb)
+    vary = _vary(axis)
+    rows = vary(_tiles.empty_stats(g.rows * g.ta))
+    block = (pb, pwb, vary(_tiles.empty_stats(g.cols * g.tb)))
+    for _ in range(lax.axis_size(axis)):  # the block held now came from i - step
+        y, wy, cols = block
+        rows, cols = _tiles.lse_stats(score, g, True, params, pa, y, pwa, wy, rows, cols)
+        block = _hop(axis, (y, wy, cols))
+    rows_lse, cols_lse = _tiles.finish(*rows), _tiles.finish(*block[2])  # the block is home
+    return (rows_lse[:n_a], cols_lse[:n_b]), (params, a, b, wa, wb, rows_lse, cols_lse)
+
+
+def _backward(score: Score, tile: int, axis: str, res: Any,
+              ct: tuple[jax.Array, jax.Array]) -> tuple[Any, ...]:
+    params, a, b, wa, wb, rows, cols = res
+    n_a, n_b = _tiles._sizes(a, b)
+    g = _tiles.grid(n_a, n_b, tile)
+    pa, pb, pwa, pwb = _tiles._inputs(g, a, b, wa, wb)
+
+    def weights(lse: jax.Array, ct: jax.Array, size: int) -> tuple[jax.Array, jax.Array]:
+        finite = jnp.isfinite(lse)
+        return jnp.where(finite, lse, 0.0), jnp.where(
+            finite, _tiles.pad(ct.astype(jnp.float32), size), 0.0)
+
+    vary = _vary(axis)
+    pv = vary(params)  # differentiated per device (no reduction per tile), summed once below
+    row_lse, row_ct = weights(rows, ct[0], g.rows * g.ta)
+    block = (pb, pwb, *weights(cols, ct[1], g.cols * g.tb), vary(_f32_zeros(pb)))
+    dp, da = vary(_f32_zeros(params)), vary(_f32_zeros(pa))
+    for _ in range(lax.axis_size(axis)):
+        y, wy, col_lse, col_ct, dy = block
+
+        def tile_ct(r: jax.Array, c: jax.Array, x: Any, yt: Any, wy: jax.Array = wy,
+                    col_lse: jax.Array = col_lse, col_ct: jax.Array = col_ct) -> Any:
+            z, pull = jax.vjp(lambda p, u, v: score(p, u, v).astype(jnp.float32), pv, x, yt)
+            take = _tiles.take
+            row_ok, col_ok = take(pwa, r * g.ta, g.ta) > 0, take(wy, c * g.tb, g.tb) > 0
+            lse_r, ct_r = take(row_lse, r * g.ta, g.ta), take(row_ct, r * g.ta, g.ta)
+            lse_c, ct_c = take(col_lse, c * g.tb, g.tb), take(col_ct, c * g.tb, g.tb)
+            grad = (jnp.where(col_ok[None, :], ct_r[:, None] * jnp.exp(z - lse_r[:, None]), 0.0)
+                    + jnp.where(row_ok[:, None], ct_c[None, :] * jnp.exp(z - lse_c[None, :]),
+                                0.0))
+            return pull(grad.astype(z.dtype))
+
+        tp, tx, ty = _tiles.pullback(tile_ct, g, params, pa, y, vary)
+        dp, da, dy = _add(dp, tp), _add(da, tx), _add(dy, ty)
+        block = _hop(axis, (y, wy, col_lse, col_ct, dy))
+    db = block[4]  # home, with every device's contribution
+    dp = lax.psum(dp, axis)  # the parameters are the same on every device
+    cast = _tiles._cast_like
+    return (cast(dp, params), jax.tree.map(lambda x: x[:n_a], cast(da, pa)),
+            jax.tree.map(lambda x: x[:n_b], cast(db, pb)), jnp.zeros_like(wa),
+            jnp.zeros_like(wb))
+
+
+logsumexp.defvjp(_forward, _backward)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def total(term: Term, tile: int, axis: str, params: Any, a: Any, b: Any, wa: jax.Array,
+          wb: jax.Array) -> jax.Array:
+    """:func:`jaxaccum._tiles.total` over every pair of the whole axis (every device's rows
+    against every device's columns), the same on every device. The term's ``positive``
+    compares global indices: row ``i`` of device ``d`` is ``d * n_a + i``."""
+    return _total_forward(term, tile, axis, params, a, b, wa, wb)[0]
+
+
+def _offset(axis: str, step: int, n: int) -> jax.Array:
+    """The global index of the first row of the block held at ``step`` (it came from device
+    ``index - step``)."""
+    size = lax.axis_size(axis)
+    return ((lax.axis_index(axis) - step) % size) * n
+
+
+def _total_forward(term: Term, tile: int, axis: str, params: Any, a: Any, b: Any,
+                   wa: jax.Array, wb: jax.Array) -> tuple[jax.Array, Any]:
+    n_a, n_b = _tiles._sizes(a, b)
+    g = _tiles.grid(n_a, n_b, tile)
+    pa, pb, pwa, pwb = _tiles._inputs(g, a, b, wa, wb)
+    value = _vary(axis)(jnp.zeros((), jnp.float32))
+    block = (pb, pwb)
+    for step in range(lax.axis_size(axis)):
+        y, wy = block
+        shift = _offset(axis, 0, n_a) - _offset(axis, step, n_b)
+
+        def one_row(acc: jax.Array, r: jax.Array, y: Any = y, wy: jax.Array = wy,
+                    shift: jax.Array = shift) -> tuple[jax.Array, None]:
+            x = _tiles.take(pa, r * g.ta, g.ta)
+
+            def one_col(acc: jax.Array, c: jax.Array) -> tuple[jax.Array, None]:
+                yt = _tiles.take(y, c * g.tb, g.tb)
+                return acc + _tiles._tile_term(term, g, params, x, yt, r, c, pwa, wy,
+                                               shift), None
+
+            return lax.scan(one_col, acc, jnp.arange(g.cols))[0], None
+
+        value = lax.scan(one_row, value, jnp.arange(g.rows))[0]
+        block = _hop(axis, block)
+    return lax.psum(value, axis), (params, a, b, wa, wb)
+
+
+def _total_backward(term: Term, tile: int, axis: str, res: Any, ct: jax.Array) -> tuple[Any, ...]:
+    params, a, b, wa, wb = res
+    n_a, n_b = _tiles._sizes(a, b)
+    g = _tiles.grid(n_a, n_b, tile)
+    pa, pb, pwa, pwb = _tiles._inputs(g, a, b, wa, wb)
+    vary = _vary(axis)
+    block = (pb, pwb, vary(_f32_zeros(pb)))
+    dp, da = vary(_f32_zeros(params)), vary(_f32_zeros(pa))
+    ct = vary(ct)  # the cotangent of every device's share of the sum
+    pv = vary(params)  # differentiated per device (no reduction per tile), summed once below
+    for step in range(lax.axis_size(axis)):
+        y, wy, dy = block
+        shift = _offset(axis, 0, n_a) - _offset(axis, step, n_b)
+
+        def tile_ct(r: jax.Array, c: jax.Array, x: Any, yt: Any, wy: jax.Array = wy,
+                    shift: jax.Array = shift) -> Any:
+            value, pull = jax.vjp(lambda p, u, v: _tiles._tile_term(
+                term, g, p, u, v, r, c, pwa, wy, shift), pv, x, yt)
+            return pull(ct.astype(value.dtype))
+
+        tp, tx, ty = _tiles.pullback(tile_ct, g, params, pa, y, vary)
+        dp, da, dy = _add(dp, tp), _add(da, tx), _add(dy, ty)
+        block = _hop(axis, (y, wy, dy))
+    dp = lax.psum(dp, axis)
+    cast = _tiles._cast_like
+    return (cast(dp, params), jax.tree.map(lambda x: x[:n_a], cast(da, pa)),
+            jax.tree.map(lambda x: x[:n_b], cast(block[2], pb)), jnp.zeros_like(wa),
+            jnp.zeros_like(wb))
+
+
+total.defvjp(_total_forward, _total_backward)

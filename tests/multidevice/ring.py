@@ -1,0 +1,121 @@
+"""The tiled contrastive losses by a ring over 8 host devices (``axis_name`` inside
+``jax.shard_map``), on Auto and Explicit data meshes: value and gradients (both sides, scale,
+bias) against one device; the compiled program's collectives; and through
+``jaxaccum.coupled_value_and_grad`` against one device."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxaccum
+from jaxaccum import _hlo
+from jaxaccum.contrastive import clip_loss, siglip_loss
+
+from .common import emit, hlo_text
+
+B, D, E, TILE = 8 * 24, 12, 6, 10  # tiles that do not divide a device's 24 rows
+
+
+def rel(a: Any, b: Any) -> list[float]:
+    """Per leaf: max |a - b| over max(|b|, 1) (the scale and bias gradients are sums of B^2
+    terms of size ~1: an absolute floor of 1 on the denominator keeps a near-0 leaf honest)."""
+    return [float(np.max(np.abs(np.asarray(x) - np.asarray(y)))
+                  / max(1.0, float(np.max(np.abs(np.asarray(y))))))
+            for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)]
+
+
+def losses(mesh: jax.sharding.Mesh, a: Any, b: Any, s: Any, t: Any, mask: Any) -> dict[str, Any]:
+    """Value and gradients of both losses by the ring, and their compiled HLO."""
+    def ring(name: str) -> Any:
+        def local(a: jax.Array, b: jax.Array, s: jax.Array, t: jax.Array,
+                  m: jax.Array) -> jax.Array:
+            if name == "clip":
+                return clip_loss(a, b, s, tile=TILE, mask=m, axis_name="data")
+            return siglip_loss(a, b, s, t, tile=TILE, mask=m, axis_name="data")
+        return jax.shard_map(local, mesh=mesh, in_specs=(P("data"), P("data"), P(), P(),
+                                                         P("data")), out_specs=P())
+
+    out = {}
+    for name in ("clip", "siglip"):
+        fn = jax.jit(jax.value_and_grad(ring(name), argnums=(0, 1, 2, 3)))
+        out[name] = (fn(a, b, s, t, mask), hlo_text(fn.lower(a, b, s, t, mask).compile()))
+    return out
+
+
+def main() -> None:
+    rng = np.random.default_rng(0)
+    a, b = rng.normal(size=(2, B, E)).astype(np.float32)
+    mask = rng.uniform(size=B) > 0.2
+    s, t = np.float32(1.1), np.float32(-2.0)
+    ref = {
+        "clip": jax.jit(jax.value_and_grad(lambda a, b, s, t: clip_loss(
+            a, b, s, tile=TILE, mask=mask), argnums=(0, 1, 2, 3)))(a, b, s, t),
+        "siglip": jax.jit(jax.value_and_grad(lambda a, b, s, t: siglip_loss(
+            a, b, s, t, tile=TILE, mask=mask), argnums=(0, 1, 2, 3)))(a, b, s, t),
+    }
+    out: dict[str, Any] = {"reps_bytes": B * E * 4}
+    for kind in (AxisType.Auto, AxisType.Explicit):
+        mesh = jax.make_mesh((8,), ("data",), axis_types=(kind,))
+        with jax.set_mesh(mesh):
+            rows = NamedSharding(mesh, P("data"))
+            got = losses(mesh, jax.device_put(a, rows), jax.device_put(b, rows), s, t,
+                         jax.device_put(mask, rows))
+        for name, ((value, grads), hlo) in got.items():
+            ops = _hlo.collectives(hlo)
+            out[f"{name}/{kind.name.lower()}"] = {
+                "rel": rel((value, grads), ref[name]),
+                "collectives": sorted({op for op, _, _, _ in ops}),
+                "all_gather_bytes": max([size for op, _, size, _ in ops if op == "all-gather"],
+                                        default=0),
+            }
+    out["coupled"] = coupled()
+    emit(out)
+
+
+def coupled() -> dict[str, Any]:
+    """A two-tower model whose loss is the ring CLIP loss, through coupled_value_and_grad on
+    an Auto (8,) mesh, against the same step with the tiled loss on one device."""
+    rng = np.random.default_rng(1)
+    params = {"a": (rng.normal(size=(D, E)) / 3).astype(np.float32),
+              "b": (rng.normal(size=(D, E)) / 3).astype(np.float32),
+              "logit_scale": np.float32(1.5)}
+    x = rng.normal(size=(B, D)).astype(np.float32)
+    batch = (x, (x + 0.3 * rng.normal(size=(B, D))).astype(np.float32))
+
+    def encode(p: Any, batch: Any) -> tuple[jax.Array, jax.Array]:
+        za, zb = jnp.tanh(batch[0] @ p["a"]), jnp.tanh(batch[1] @ p["b"])
+        return (za / jnp.linalg.norm(za, axis=1, keepdims=True),
+                zb / jnp.linalg.norm(zb, axis=1, keepdims=True))
+
+    def one_device(p: Any, reps: Any, batch: Any) -> jax.Array:
+        return clip_loss(reps[0], reps[1], p["logit_scale"], tile=TILE)
+
+    ref = jax.jit(jaxaccum.coupled_value_and_grad(encode, one_device, num_microbatches=4))(
+        params, batch)
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
+
+    def on_ring(p: Any, reps: Any, batch: Any) -> jax.Array:
+        return jax.shard_map(
+            lambda a, b, s: clip_loss(a, b, s, tile=TILE, axis_name="data"), mesh=mesh,
+            in_specs=(P("data"), P("data"), P()), out_specs=P())(reps[0], reps[1],
+                                                                 p["logit_scale"])
+
+    with jax.set_mesh(mesh):
+        p = jax.device_put(params, NamedSharding(mesh, P()))
+        bt = jax.device_put(batch, NamedSharding(mesh, P("data")))
+        fn = jax.jit(jaxaccum.coupled_value_and_grad(encode, on_ring, num_microbatches=4,
+                                                     mesh=mesh))
+        got = fn(p, bt)
+        hlo = hlo_text(fn.lower(p, bt).compile())
+    return {"rel": rel(got, ref), "reductions": _hlo.gradient_reductions(hlo, 8),
+            "collectives": sorted({op for op, _, _, _ in _hlo.collectives(hlo)})}
+
+
+if __name__ == "__main__":
+    main()
