@@ -52,9 +52,9 @@ def logsumexp(score: Score, tile: int, axis: str, params: Any, a: Any, b: Any, w
 
 def _forward(score: Score, tile: int, axis: str, params: Any, a: Any, b: Any, wa: jax.Array,
              wb: jax.Array) -> tuple[tuple[jax.Array, jax.Array], Any]:
-    n_a, n_b = _tiles._sizes(a, b)
+    n_a, n_b = _tiles.sizes(a, b)
     g = _tiles.grid(n_a, n_b, tile)
-    pa, pb, pwa, pwb = _tiles._inputs(g, a, b, wa, wb)
+    pa, pb, pwa, pwb = _tiles.inputs(g, a, b, wa, wb)
     vary = _vary(axis)
     rows = vary(_tiles.empty_stats(g.rows * g.ta))
     block = (pb, pwb, vary(_tiles.empty_stats(g.cols * g.tb)))
@@ -69,9 +69,9 @@ def _forward(score: Score, tile: int, axis: str, params: Any, a: Any, b: Any, wa
 def _backward(score: Score, tile: int, axis: str, res: Any,
               ct: tuple[jax.Array, jax.Array]) -> tuple[Any, ...]:
     params, a, b, wa, wb, rows, cols = res
-    n_a, n_b = _tiles._sizes(a, b)
+    n_a, n_b = _tiles.sizes(a, b)
     g = _tiles.grid(n_a, n_b, tile)
-    pa, pb, pwa, pwb = _tiles._inputs(g, a, b, wa, wb)
+    pa, pb, pwa, pwb = _tiles.inputs(g, a, b, wa, wb)
 
     def weights(lse: jax.Array, ct: jax.Array, size: int) -> tuple[jax.Array, jax.Array]:
         finite = jnp.isfinite(lse)
@@ -103,7 +103,7 @@ def _backward(score: Score, tile: int, axis: str, res: Any,
         block = _hop(axis, (y, wy, col_lse, col_ct, dy))
     db = block[4]  # home, with every device's contribution
     dp = lax.psum(dp, axis)  # the parameters are the same on every device
-    cast = _tiles._cast_like
+    cast = _tiles.cast_like
     return (cast(dp, params), jax.tree.map(lambda x: x[:n_a], cast(da, pa)),
             jax.tree.map(lambda x: x[:n_b], cast(db, pb)), jnp.zeros_like(wa),
             jnp.zeros_like(wb))
@@ -130,9 +130,9 @@ def _offset(axis: str, step: int, n: int) -> jax.Array:
 
 def _total_forward(term: Term, tile: int, axis: str, params: Any, a: Any, b: Any,
                    wa: jax.Array, wb: jax.Array) -> tuple[jax.Array, Any]:
-    n_a, n_b = _tiles._sizes(a, b)
+    n_a, n_b = _tiles.sizes(a, b)
     g = _tiles.grid(n_a, n_b, tile)
-    pa, pb, pwa, pwb = _tiles._inputs(g, a, b, wa, wb)
+    pa, pb, pwa, pwb = _tiles.inputs(g, a, b, wa, wb)
     value = _vary(axis)(jnp.zeros((), jnp.float32))
     block = (pb, pwb)
     for step in range(lax.axis_size(axis)):
@@ -145,7 +145,7 @@ def _total_forward(term: Term, tile: int, axis: str, params: Any, a: Any, b: Any
 
             def one_col(acc: jax.Array, c: jax.Array) -> tuple[jax.Array, None]:
                 yt = _tiles.take(y, c * g.tb, g.tb)
-                return acc + _tiles._tile_term(term, g, params, x, yt, r, c, pwa, wy,
+                return acc + _tiles.tile_term(term, g, params, x, yt, r, c, pwa, wy,
                                                shift), None
 
             return lax.scan(one_col, acc, jnp.arange(g.cols))[0], None
@@ -157,9 +157,9 @@ def _total_forward(term: Term, tile: int, axis: str, params: Any, a: Any, b: Any
 
 def _total_backward(term: Term, tile: int, axis: str, res: Any, ct: jax.Array) -> tuple[Any, ...]:
     params, a, b, wa, wb = res
-    n_a, n_b = _tiles._sizes(a, b)
+    n_a, n_b = _tiles.sizes(a, b)
     g = _tiles.grid(n_a, n_b, tile)
-    pa, pb, pwa, pwb = _tiles._inputs(g, a, b, wa, wb)
+    pa, pb, pwa, pwb = _tiles.inputs(g, a, b, wa, wb)
     vary = _vary(axis)
     block = (pb, pwb, vary(_f32_zeros(pb)))
     dp, da = vary(_f32_zeros(params)), vary(_f32_zeros(pa))
@@ -171,7 +171,7 @@ def _total_backward(term: Term, tile: int, axis: str, res: Any, ct: jax.Array) -
 
         def tile_ct(r: jax.Array, c: jax.Array, x: Any, yt: Any, wy: jax.Array = wy,
                     shift: jax.Array = shift) -> Any:
-            value, pull = jax.vjp(lambda p, u, v: _tiles._tile_term(
+            value, pull = jax.vjp(lambda p, u, v: _tiles.tile_term(
                 term, g, p, u, v, r, c, pwa, wy, shift), pv, x, yt)
             return pull(ct.astype(value.dtype))
 
@@ -179,7 +179,7 @@ def _total_backward(term: Term, tile: int, axis: str, res: Any, ct: jax.Array) -
         dp, da, dy = _add(dp, tp), _add(da, tx), _add(dy, ty)
         block = _hop(axis, (y, wy, dy))
     dp = lax.psum(dp, axis)
-    cast = _tiles._cast_like
+    cast = _tiles.cast_like
     return (cast(dp, params), jax.tree.map(lambda x: x[:n_a], cast(da, pa)),
             jax.tree.map(lambda x: x[:n_b], cast(block[2], pb)), jnp.zeros_like(wa),
             jnp.zeros_like(wb))

@@ -65,11 +65,11 @@ def _zeros_like(tree: Any) -> Any:
     return jax.tree.map(lambda x: jnp.zeros(jnp.shape(x), jnp.float32), tree)
 
 
-def _cast_like(tree: Any, like: Any) -> Any:
+def cast_like(tree: Any, like: Any) -> Any:
     return jax.tree.map(lambda x, y: x.astype(jnp.result_type(y)), tree, like)
 
 
-def _inputs(g: Grid, a: Any, b: Any, wa: jax.Array, wb: jax.Array) -> tuple[Any, ...]:
+def inputs(g: Grid, a: Any, b: Any, wa: jax.Array, wb: jax.Array) -> tuple[Any, ...]:
     return (pad(a, g.rows * g.ta), pad(b, g.cols * g.tb), pad(wa, g.rows * g.ta),
             pad(wb, g.cols * g.tb))
 
@@ -156,7 +156,7 @@ def pullback(tile_ct: Callable[..., tuple[Any, ...]], g: Grid, params: Any, a: A
     (dp, db), da = lax.scan(row_tile, vary((_zeros_like(params), _zeros_like(b))),
                             jnp.arange(g.rows))
     da = jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), da)
-    return _cast_like(dp, params), _cast_like(da, a), _cast_like(db, b)
+    return cast_like(dp, params), cast_like(da, a), cast_like(db, b)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
@@ -170,24 +170,24 @@ def logsumexp(score: Score, tile: int, both: bool, params: Any, a: Any, b: Any, 
     return _lse_forward(score, tile, both, params, a, b, wa, wb)[0]
 
 
-def _sizes(a: Any, b: Any) -> tuple[int, int]:
+def sizes(a: Any, b: Any) -> tuple[int, int]:
     return jax.tree.leaves(a)[0].shape[0], jax.tree.leaves(b)[0].shape[0]
 
 
 def _lse_forward(score: Score, tile: int, both: bool, params: Any, a: Any, b: Any,
                  wa: jax.Array, wb: jax.Array) -> tuple[tuple[jax.Array, jax.Array], Any]:
-    n_a, n_b = _sizes(a, b)
+    n_a, n_b = sizes(a, b)
     g = grid(n_a, n_b, tile)
-    rows, cols = _lse(score, g, both, params, *_inputs(g, a, b, wa, wb))
+    rows, cols = _lse(score, g, both, params, *inputs(g, a, b, wa, wb))
     return (rows[:n_a], cols[:n_b]), (params, a, b, wa, wb, rows, cols)
 
 
 def _lse_backward(score: Score, tile: int, both: bool, res: Any,
                   ct: tuple[jax.Array, jax.Array]) -> tuple[Any, ...]:
     params, a, b, wa, wb, rows, cols = res
-    n_a, n_b = _sizes(a, b)
+    n_a, n_b = sizes(a, b)
     g = grid(n_a, n_b, tile)
-    pa, pb, pwa, pwb = _inputs(g, a, b, wa, wb)
+    pa, pb, pwa, pwb = inputs(g, a, b, wa, wb)
 
     def weights(lse: jax.Array, ct: jax.Array, size: int) -> tuple[jax.Array, jax.Array]:
         finite = jnp.isfinite(lse)
@@ -224,7 +224,7 @@ def total(term: Term, tile: int, params: Any, a: Any, b: Any, wa: jax.Array,
     return _total_forward(term, tile, params, a, b, wa, wb)[0]
 
 
-def _tile_term(term: Term, g: Grid, params: Any, x: Any, y: Any, r: jax.Array, c: jax.Array,
+def tile_term(term: Term, g: Grid, params: Any, x: Any, y: Any, r: jax.Array, c: jax.Array,
                pwa: jax.Array, pwb: jax.Array, shift: Any = 0) -> jax.Array:
     """The tile's sum of ``term`` over its valid pairs; ``positive`` where the row's index
     plus ``shift`` is the column's (their global indices, on a ring)."""
@@ -238,14 +238,14 @@ def _total_forward(term: Term, tile: int, params: Any, a: Any, b: Any, wa: jax.A
                    wb: jax.Array) -> tuple[jax.Array, Any]:
     n_a, n_b = jax.tree.leaves(a)[0].shape[0], jax.tree.leaves(b)[0].shape[0]
     g = grid(n_a, n_b, tile)
-    pa, pb, pwa, pwb = _inputs(g, a, b, wa, wb)
+    pa, pb, pwa, pwb = inputs(g, a, b, wa, wb)
 
     def row_tile(acc: jax.Array, r: jax.Array) -> tuple[jax.Array, None]:
         x = take(pa, r * g.ta, g.ta)
 
         def col_tile(acc: jax.Array, c: jax.Array) -> tuple[jax.Array, None]:
             y = take(pb, c * g.tb, g.tb)
-            return acc + _tile_term(term, g, params, x, y, r, c, pwa, pwb), None
+            return acc + tile_term(term, g, params, x, y, r, c, pwa, pwb), None
 
         return lax.scan(col_tile, acc, jnp.arange(g.cols))[0], None
 
@@ -257,11 +257,11 @@ def _total_backward(term: Term, tile: int, res: Any, ct: jax.Array) -> tuple[Any
     params, a, b, wa, wb = res
     n_a, n_b = jax.tree.leaves(a)[0].shape[0], jax.tree.leaves(b)[0].shape[0]
     g = grid(n_a, n_b, tile)
-    pa, pb, pwa, pwb = _inputs(g, a, b, wa, wb)
+    pa, pb, pwa, pwb = inputs(g, a, b, wa, wb)
 
     def tile_ct(r: jax.Array, c: jax.Array, x: Any, y: Any) -> tuple[Any, ...]:
         value, pull = jax.vjp(
-            lambda p, x, y: _tile_term(term, g, p, x, y, r, c, pwa, pwb), params, x, y)
+            lambda p, x, y: tile_term(term, g, p, x, y, r, c, pwa, pwb), params, x, y)
         return pull(ct.astype(value.dtype))
 
     dp, da, db = pullback(tile_ct, g, params, pa, pb)
