@@ -73,35 +73,18 @@ def _backward(score: Score, tile: int, axis: str, res: Any,
     g = _tiles.grid(n_a, n_b, tile)
     pa, pb, pwa, pwb = _tiles.inputs(g, a, b, wa, wb)
 
-    def weights(lse: jax.Array, ct: jax.Array, size: int) -> tuple[jax.Array, jax.Array]:
-        finite = jnp.isfinite(lse)
-        return jnp.where(finite, lse, 0.0), jnp.where(
-            finite, _tiles.pad(ct.astype(jnp.float32), size), 0.0)
-
     vary = _vary(axis)
     pv = vary(params)  # differentiated per device (no reduction per tile), summed once below
-    row_lse, row_ct = weights(rows, ct[0], g.rows * g.ta)
-    block = (pb, pwb, *weights(cols, ct[1], g.cols * g.tb), vary(_f32_zeros(pb)))
+    rows_w = _tiles.lse_weights(rows, ct[0], g.rows * g.ta)
+    block = (pb, pwb, _tiles.lse_weights(cols, ct[1], g.cols * g.tb), vary(_f32_zeros(pb)))
     dp, da = vary(_f32_zeros(params)), vary(_f32_zeros(pa))
     for _ in range(lax.axis_size(axis)):
-        y, wy, col_lse, col_ct, dy = block
-
-        def tile_ct(r: jax.Array, c: jax.Array, x: Any, yt: Any, wy: jax.Array = wy,
-                    col_lse: jax.Array = col_lse, col_ct: jax.Array = col_ct) -> Any:
-            z, pull = jax.vjp(lambda p, u, v: score(p, u, v).astype(jnp.float32), pv, x, yt)
-            take = _tiles.take
-            row_ok, col_ok = take(pwa, r * g.ta, g.ta) > 0, take(wy, c * g.tb, g.tb) > 0
-            lse_r, ct_r = take(row_lse, r * g.ta, g.ta), take(row_ct, r * g.ta, g.ta)
-            lse_c, ct_c = take(col_lse, c * g.tb, g.tb), take(col_ct, c * g.tb, g.tb)
-            grad = (jnp.where(col_ok[None, :], ct_r[:, None] * jnp.exp(z - lse_r[:, None]), 0.0)
-                    + jnp.where(row_ok[:, None], ct_c[None, :] * jnp.exp(z - lse_c[None, :]),
-                                0.0))
-            return pull(grad.astype(z.dtype))
-
+        y, wy, cols_w, dy = block
+        tile_ct = _tiles.lse_tile_ct(score, g, pv, rows_w, cols_w, pwa, wy)
         tp, tx, ty = _tiles.pullback(tile_ct, g, params, pa, y, vary)
         dp, da, dy = _add(dp, tp), _add(da, tx), _add(dy, ty)
-        block = _hop(axis, (y, wy, col_lse, col_ct, dy))
-    db = block[4]  # home, with every device's contribution
+        block = _hop(axis, (y, wy, cols_w, dy))
+    db = block[3]  # home, with every device's contribution
     dp = lax.psum(dp, axis)  # the parameters are the same on every device
     cast = _tiles.cast_like
     return (cast(dp, params), jax.tree.map(lambda x: x[:n_a], cast(da, pa)),
@@ -139,18 +122,7 @@ def _total_forward(term: Term, tile: int, axis: str, params: Any, a: Any, b: Any
         y, wy = block
         shift = _offset(axis, 0, n_a) - _offset(axis, step, n_b)
 
-        def one_row(acc: jax.Array, r: jax.Array, y: Any = y, wy: jax.Array = wy,
-                    shift: jax.Array = shift) -> tuple[jax.Array, None]:
-            x = _tiles.take(pa, r * g.ta, g.ta)
-
-            def one_col(acc: jax.Array, c: jax.Array) -> tuple[jax.Array, None]:
-                yt = _tiles.take(y, c * g.tb, g.tb)
-                return acc + _tiles.tile_term(term, g, params, x, yt, r, c, pwa, wy,
-                                               shift), None
-
-            return lax.scan(one_col, acc, jnp.arange(g.cols))[0], None
-
-        value = lax.scan(one_row, value, jnp.arange(g.rows))[0]
+        value = _tiles.total_tiles(term, g, params, pa, y, pwa, wy, value, shift)
         block = _hop(axis, block)
     return lax.psum(value, axis), (params, a, b, wa, wb)
 
@@ -169,12 +141,7 @@ def _total_backward(term: Term, tile: int, axis: str, res: Any, ct: jax.Array) -
         y, wy, dy = block
         shift = _offset(axis, 0, n_a) - _offset(axis, step, n_b)
 
-        def tile_ct(r: jax.Array, c: jax.Array, x: Any, yt: Any, wy: jax.Array = wy,
-                    shift: jax.Array = shift) -> Any:
-            value, pull = jax.vjp(lambda p, u, v: _tiles.tile_term(
-                term, g, p, u, v, r, c, pwa, wy, shift), pv, x, yt)
-            return pull(ct.astype(value.dtype))
-
+        tile_ct = _tiles.total_tile_ct(term, g, pv, pwa, wy, ct, shift)
         tp, tx, ty = _tiles.pullback(tile_ct, g, params, pa, y, vary)
         dp, da, dy = _add(dp, tp), _add(da, tx), _add(dy, ty)
         block = _hop(axis, (y, wy, dy))

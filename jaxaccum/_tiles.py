@@ -182,31 +182,41 @@ def _lse_forward(score: Score, tile: int, both: bool, params: Any, a: Any, b: An
     return (rows[:n_a], cols[:n_b]), (params, a, b, wa, wb, rows, cols)
 
 
+def lse_weights(lse: jax.Array, ct: jax.Array, size: int) -> tuple[jax.Array, jax.Array]:
+    """A log-sum-exp and its cotangent, padded to ``size``, with 0 for both where nothing was
+    summed (a row with no valid column contributes no gradient)."""
+    finite = jnp.isfinite(lse)
+    return jnp.where(finite, lse, 0.0), jnp.where(finite, pad(ct.astype(jnp.float32), size), 0.0)
+
+
+def lse_tile_ct(score: Score, g: Grid, params: Any, rows: tuple[jax.Array, jax.Array],
+                cols: tuple[jax.Array, jax.Array] | None, pwa: jax.Array,
+                pwb: jax.Array) -> Callable[..., tuple[Any, ...]]:
+    """The cotangents of one tile of the log-sum-exps (``rows`` and, if given, ``cols``: each
+    :func:`lse_weights`' pair, padded): ``ct_i softmax_j + ct_j softmax_i`` pulled back
+    through the tile's scores, for :func:`pullback`."""
+
+    def tile_ct(r: jax.Array, c: jax.Array, x: Any, y: Any) -> tuple[Any, ...]:
+        z, pull = jax.vjp(lambda p, u, v: score(p, u, v).astype(jnp.float32), params, x, y)
+        row_ok, col_ok = take(pwa, r * g.ta, g.ta) > 0, take(pwb, c * g.tb, g.tb) > 0
+        lse_r, ct_r = take(rows[0], r * g.ta, g.ta), take(rows[1], r * g.ta, g.ta)
+        grad = jnp.where(col_ok[None, :], ct_r[:, None] * jnp.exp(z - lse_r[:, None]), 0.0)
+        if cols is not None:
+            lse_c, ct_c = take(cols[0], c * g.tb, g.tb), take(cols[1], c * g.tb, g.tb)
+            grad += jnp.where(row_ok[:, None], ct_c[None, :] * jnp.exp(z - lse_c[None, :]), 0.0)
+        return pull(grad.astype(z.dtype))
+
+    return tile_ct
+
+
 def _lse_backward(score: Score, tile: int, both: bool, res: Any,
                   ct: tuple[jax.Array, jax.Array]) -> tuple[Any, ...]:
     params, a, b, wa, wb, rows, cols = res
     n_a, n_b = sizes(a, b)
     g = grid(n_a, n_b, tile)
     pa, pb, pwa, pwb = inputs(g, a, b, wa, wb)
-
-    def weights(lse: jax.Array, ct: jax.Array, size: int) -> tuple[jax.Array, jax.Array]:
-        finite = jnp.isfinite(lse)
-        return jnp.where(finite, lse, 0.0), jnp.where(finite, pad(ct.astype(jnp.float32),
-                                                                   size), 0.0)
-
-    row_lse, row_ct = weights(rows, ct[0], g.rows * g.ta)
-    col_lse, col_ct = weights(cols, ct[1], g.cols * g.tb)
-
-    def tile_ct(r: jax.Array, c: jax.Array, x: Any, y: Any) -> tuple[Any, ...]:
-        z, pull = jax.vjp(lambda p, x, y: score(p, x, y).astype(jnp.float32), params, x, y)
-        row_ok, col_ok = take(pwa, r * g.ta, g.ta) > 0, take(pwb, c * g.tb, g.tb) > 0
-        lse_r, ct_r = take(row_lse, r * g.ta, g.ta), take(row_ct, r * g.ta, g.ta)
-        grad = jnp.where(col_ok[None, :], ct_r[:, None] * jnp.exp(z - lse_r[:, None]), 0.0)
-        if both:
-            lse_c, ct_c = take(col_lse, c * g.tb, g.tb), take(col_ct, c * g.tb, g.tb)
-            grad += jnp.where(row_ok[:, None], ct_c[None, :] * jnp.exp(z - lse_c[None, :]), 0.0)
-        return pull(grad.astype(z.dtype))
-
+    tile_ct = lse_tile_ct(score, g, params, lse_weights(rows, ct[0], g.rows * g.ta),
+                          lse_weights(cols, ct[1], g.cols * g.tb) if both else None, pwa, pwb)
     dp, da, db = pullback(tile_ct, g, params, pa, pb)
     return (dp, jax.tree.map(lambda x: x[:n_a], da), jax.tree.map(lambda x: x[:n_b], db),
             jnp.zeros_like(wa), jnp.zeros_like(wb))
@@ -234,37 +244,50 @@ def tile_term(term: Term, g: Grid, params: Any, x: Any, y: Any, r: jax.Array, c:
     return jnp.sum(jnp.where(valid, value, 0.0))
 
 
-def _total_forward(term: Term, tile: int, params: Any, a: Any, b: Any, wa: jax.Array,
-                   wb: jax.Array) -> tuple[jax.Array, Any]:
-    n_a, n_b = jax.tree.leaves(a)[0].shape[0], jax.tree.leaves(b)[0].shape[0]
-    g = grid(n_a, n_b, tile)
-    pa, pb, pwa, pwb = inputs(g, a, b, wa, wb)
+def total_tiles(term: Term, g: Grid, params: Any, pa: Any, pb: Any, pwa: jax.Array,
+                pwb: jax.Array, start: jax.Array, shift: Any = 0) -> jax.Array:
+    """``start`` plus the sum of :func:`tile_term` over every tile of ``pa`` (padded rows)
+    against ``pb`` (padded columns)."""
 
     def row_tile(acc: jax.Array, r: jax.Array) -> tuple[jax.Array, None]:
         x = take(pa, r * g.ta, g.ta)
 
         def col_tile(acc: jax.Array, c: jax.Array) -> tuple[jax.Array, None]:
             y = take(pb, c * g.tb, g.tb)
-            return acc + tile_term(term, g, params, x, y, r, c, pwa, pwb), None
+            return acc + tile_term(term, g, params, x, y, r, c, pwa, pwb, shift), None
 
         return lax.scan(col_tile, acc, jnp.arange(g.cols))[0], None
 
-    value = lax.scan(row_tile, jnp.zeros((), jnp.float32), jnp.arange(g.rows))[0]
+    return lax.scan(row_tile, start, jnp.arange(g.rows))[0]
+
+
+def total_tile_ct(term: Term, g: Grid, params: Any, pwa: jax.Array, pwb: jax.Array,
+                  ct: jax.Array, shift: Any = 0) -> Callable[..., tuple[Any, ...]]:
+    """The cotangents of one tile of :func:`total` (its cotangent ``ct``), for
+    :func:`pullback`."""
+
+    def tile_ct(r: jax.Array, c: jax.Array, x: Any, y: Any) -> tuple[Any, ...]:
+        value, pull = jax.vjp(
+            lambda p, u, v: tile_term(term, g, p, u, v, r, c, pwa, pwb, shift), params, x, y)
+        return pull(ct.astype(value.dtype))
+
+    return tile_ct
+
+
+def _total_forward(term: Term, tile: int, params: Any, a: Any, b: Any, wa: jax.Array,
+                   wb: jax.Array) -> tuple[jax.Array, Any]:
+    g = grid(*sizes(a, b), tile)
+    pa, pb, pwa, pwb = inputs(g, a, b, wa, wb)
+    value = total_tiles(term, g, params, pa, pb, pwa, pwb, jnp.zeros((), jnp.float32))
     return value, (params, a, b, wa, wb)
 
 
 def _total_backward(term: Term, tile: int, res: Any, ct: jax.Array) -> tuple[Any, ...]:
     params, a, b, wa, wb = res
-    n_a, n_b = jax.tree.leaves(a)[0].shape[0], jax.tree.leaves(b)[0].shape[0]
+    n_a, n_b = sizes(a, b)
     g = grid(n_a, n_b, tile)
     pa, pb, pwa, pwb = inputs(g, a, b, wa, wb)
-
-    def tile_ct(r: jax.Array, c: jax.Array, x: Any, y: Any) -> tuple[Any, ...]:
-        value, pull = jax.vjp(
-            lambda p, x, y: tile_term(term, g, p, x, y, r, c, pwa, pwb), params, x, y)
-        return pull(ct.astype(value.dtype))
-
-    dp, da, db = pullback(tile_ct, g, params, pa, pb)
+    dp, da, db = pullback(total_tile_ct(term, g, params, pwa, pwb, ct), g, params, pa, pb)
     return (dp, jax.tree.map(lambda x: x[:n_a], da), jax.tree.map(lambda x: x[:n_b], db),
             jnp.zeros_like(wa), jnp.zeros_like(wb))
 
