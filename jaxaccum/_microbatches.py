@@ -65,7 +65,8 @@ def microbatches(batch: Any, *, microbatch_size: int, max_microbatches: int) -> 
       ``count = n / m``.
 
     Raises:
-      ValueError: ``m`` does not divide ``n``, or ``n / m > K``.
+      ValueError: the leaves' leading axes differ (or one is a scalar), ``m`` does not
+        divide ``n``, or ``n / m > K``.
 
     Examples:
       >>> import numpy as np, jaxaccum
@@ -75,7 +76,15 @@ def microbatches(batch: Any, *, microbatch_size: int, max_microbatches: int) -> 
     """
     entry = "jaxaccum.microbatches"
     leaves = jax.tree.leaves(batch)
-    n = np.shape(leaves[0])[0] if leaves else 0
+    sizes = sorted({np.shape(x)[0] if np.ndim(x) else -1 for x in leaves})
+    if len(sizes) > 1 or sizes == [-1]:
+        shapes = [np.shape(x) for x in leaves]
+        raise ValueError(
+            f"{entry}: every leaf of batch must have the same leading axis of n examples; "
+            f"got leaves of shapes {shapes}; give per-example arrays only (keep per-batch "
+            "values out of batch)"
+        )
+    n = sizes[0] if leaves else 0
     if microbatch_size < 1 or n % microbatch_size:
         raise ValueError(
             f"{entry}: microbatch_size={microbatch_size} must divide the batch's {n} examples; "

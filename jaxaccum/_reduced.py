@@ -15,6 +15,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.extend import core as jex
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -55,11 +56,20 @@ def _resolve(eqn: Any, invals: list[Any]) -> list[Any] | None:
             raise
         shape = eqn.outvars[0].aval.shape if len(eqn.outvars) == 1 else None
         like = [v for v in invals if not is_reduced(v) and jnp.shape(v) == shape]
-        if shape is None or not like or not any(map(is_reduced, invals)):
-            raise
+        if shape is None or not like or not any(map(is_reduced, invals)) or _has_body(eqn):
+            raise  # not elementwise (a loop in the model): the placement falls back
         target = jax.typeof(like[0]).sharding
         return _jaxpr.bind(eqn, [_sharded_like(v, shape, target) if is_reduced(v) else v
                                  for v in invals])
+
+
+def _has_body(eqn: Any) -> bool:
+    """Whether ``eqn`` runs a sub-program (a ``scan``, ``while``, ``cond``): its operands keep
+    their own shapes inside, so a parameter broadcast to the output's shape would not fit."""
+    return any(isinstance(p, (jex.ClosedJaxpr, jex.Jaxpr)) or (
+        isinstance(p, (tuple, list)) and any(isinstance(q, (jex.ClosedJaxpr, jex.Jaxpr))
+                                             for q in p))
+               for p in eqn.params.values())
 
 
 def _sharded_like(v: jax.Array, shape: tuple[int, ...], target: NamedSharding) -> jax.Array:

@@ -31,6 +31,7 @@ from jaxaccum import _microbatches, _validation
 PACK = "jaxaccum.packing.pack"
 PACK_STREAM = "jaxaccum.packing.pack_stream"
 PACK_EPOCH = "jaxaccum.packing.pack_epoch"
+_BLOCK_TOKENS = 1 << 20  # pack's rows are written this many tokens at a time
 _INT32 = np.iinfo(np.int32)
 
 
@@ -199,6 +200,39 @@ def _pad_id(entry: str, pad_id: Any) -> int:
     return int(pad_id)
 
 
+def _blank(num_rows: int, length: int, pad_id: int) -> tuple[np.ndarray, ...]:
+    """Rows of padding only: tokens, segment ids, positions, sequence indices."""
+    shape = (num_rows, length)
+    return (np.full(shape, pad_id, np.int32), np.zeros(shape, np.int32),
+            np.zeros(shape, np.int32), np.full(shape, -1, np.int32))
+
+
+def _fill(out: tuple[np.ndarray, ...], seqs: Sequence[np.ndarray], index: np.ndarray,
+          row_of: np.ndarray) -> None:
+    """Writes sequences into blank rows ``out`` given the row of each: in a row, in the order
+    given, padding last."""
+    n = len(seqs)
+    if not n:
+        return
+    tokens, segment_ids, positions, sequence_index = out
+    lengths = np.fromiter((s.size for s in seqs), np.int64, n)
+    order = np.lexsort((np.arange(n), row_of))  # by row, then in the order given
+    lens, row = lengths[order], row_of[order]
+    # each row's tokens first, padding last: a boolean mask written in row-major order
+    # takes the rows' tokens in the sorted order (no index per token)
+    used = np.bincount(row, weights=lens, minlength=tokens.shape[0])
+    real = np.arange(tokens.shape[1]) < used[:, None]
+    first = np.ones(n, bool)
+    first[1:] = row[1:] != row[:-1]
+    segment = np.arange(n) - np.maximum.accumulate(np.where(first, np.arange(n), 0)) + 1
+    starts = np.cumsum(lens) - lens
+    tokens[real] = np.concatenate([seqs[i] for i in order])
+    segment_ids[real] = np.repeat(segment.astype(np.int32), lens)
+    positions[real] = (np.arange(starts[-1] + lens[-1], dtype=np.int32)
+                       - np.repeat(starts.astype(np.int32), lens))
+    sequence_index[real] = np.repeat(index[order].astype(np.int32), lens)
+
+
 def _assemble(
     seqs: Sequence[np.ndarray],
     index: np.ndarray,
@@ -211,31 +245,26 @@ def _assemble(
     pad_id: int,
 ) -> Packed:
     """Lays out sequences given the row of each: in a row, in the order given, padding last."""
-    shape = (microbatches * rows, length)
-    tokens = np.full(shape, pad_id, np.int32)
-    segment_ids = np.zeros(shape, np.int32)
-    positions = np.zeros(shape, np.int32)
-    sequence_index = np.full(shape, -1, np.int32)
-    n = len(seqs)
-    if n:
-        lengths = np.fromiter((s.size for s in seqs), np.int64, n)
-        order = np.lexsort((np.arange(n), row_of))  # by row, then in the order given
-        lens, row = lengths[order], row_of[order]
-        # each row's tokens first, padding last: a boolean mask written in row-major order
-        # takes the rows' tokens in the sorted order (no index per token)
-        used = np.bincount(row, weights=lens, minlength=shape[0])
-        real = np.arange(length) < used[:, None]
-        first = np.ones(n, bool)
-        first[1:] = row[1:] != row[:-1]
-        segment = np.arange(n) - np.maximum.accumulate(np.where(first, np.arange(n), 0)) + 1
-        starts = np.cumsum(lens) - lens
-        tokens[real] = np.concatenate([seqs[i] for i in order])
-        segment_ids[real] = np.repeat(segment, lens)
-        positions[real] = np.arange(starts[-1] + lens[-1]) - np.repeat(starts, lens)
-        sequence_index[real] = np.repeat(index[order], lens)
-    grid = (microbatches, rows, length)
-    return Packed(tokens.reshape(grid), segment_ids.reshape(grid), positions.reshape(grid),
-                  sequence_index.reshape(grid), num_microbatches=-(-num_rows // rows))
+    out = _blank(microbatches * rows, length, pad_id)
+    _fill(out, seqs, index, row_of)
+    return _packed(out, num_rows, microbatches=microbatches, rows=rows)
+
+
+def _packed(out: tuple[np.ndarray, ...], num_rows: int, *, microbatches: int,
+            rows: int) -> Packed:
+    grid = (microbatches, rows, out[0].shape[1])
+    tokens, segment_ids, positions, sequence_index = (a.reshape(grid) for a in out)
+    return Packed(tokens, segment_ids, positions, sequence_index,
+                  num_microbatches=-(-num_rows // rows))
+
+
+def _blocks(row_of: np.ndarray, num_rows: int, per: int) -> Iterator[tuple[np.ndarray, int]]:
+    """The sequences of each block of ``per`` rows (in row order, then input order) and the
+    block's first row."""
+    order = np.argsort(row_of, kind="stable")
+    bounds = np.searchsorted(row_of[order], np.arange(0, num_rows + per, per))
+    for block in range(-(-num_rows // per)):
+        yield order[bounds[block]:bounds[block + 1]], block * per
 
 
 def _listed(entry: str, sequences: Any) -> Any:
@@ -276,7 +305,10 @@ def pack(    sequences: Sequence[Any],
     binary search over the distinct free spaces of the open rows (at most ``length`` of
     them), so a call is O(n log n) with the sort. Sequences are never split; in a row they lie
     in input order, padding last; rows are numbered in the order opened and grouped in that
-    order, so only the last used micro-batch can hold all-padding rows.
+    order, so only the last used micro-batch can hold all-padding rows. Memory: the output
+    (16 bytes a slot) and the plan (about 100 bytes a sequence), the rows being written a
+    block of about 2^20 tokens at a time; :func:`pack_epoch` yields the same rows a step at
+    a time.
 
     Args:
       sequences: a list of 1-D integer arrays of token ids, each of 1 to ``length`` tokens.
@@ -333,9 +365,14 @@ def pack(    sequences: Sequence[Any],
             "sequences per call (jaxaccum.packing.pack_stream takes as many as fit per step) "
             f"or raise max_microbatches to at least {used}"
         )
-    return _assemble(seqs, np.arange(n), row_of, num_rows,
-                     microbatches=used if max_microbatches is None else max_microbatches,
-                     rows=rows, length=length, pad_id=pad)
+    microbatches = used if max_microbatches is None else max_microbatches
+    out = _blank(microbatches * rows, length, pad)
+    # a block of rows at a time: the temporaries stay ~2^20 tokens, whatever the corpus
+    per = max(1, _BLOCK_TOKENS // length)
+    for index, base in _blocks(row_of, num_rows, per):
+        _fill(tuple(a[base:base + per] for a in out), [seqs[i] for i in index], index,
+              row_of[index] - base)
+    return _packed(out, num_rows, microbatches=microbatches, rows=rows)
 
 
 def pack_epoch(
@@ -398,12 +435,8 @@ def _epoch_steps(sequences: Sequence[Any], row_of: np.ndarray, num_rows: int, *,
                  length: int, microbatches: int, pad_id: int) -> Iterator[Packed]:
     """Assembles :func:`pack_epoch`'s steps one at a time, from the row of each sequence."""
     per_step = microbatches * rows
-    order = np.argsort(row_of, kind="stable")  # by row, then in input order
-    bounds = np.searchsorted(row_of[order], np.arange(0, num_rows + per_step, per_step))
-    for step in range(-(-num_rows // per_step)):
-        index = order[bounds[step]:bounds[step + 1]]
+    for index, base in _blocks(row_of, num_rows, per_step):
         seqs = [_sequence(PACK_EPOCH, sequences[i], int(i), length) for i in index]
-        base = step * per_step
         yield _assemble(seqs, index, row_of[index] - base, min(num_rows - base, per_step),
                         microbatches=microbatches, rows=rows, length=length, pad_id=pad_id)
 
@@ -512,6 +545,15 @@ class PackStream(Iterator[Packed]):
                 f"{PACK_STREAM}: state must be a dict from PackStream.get_state() "
                 f"({{'arrived': int, 'waiting': [[index, tokens], ...]}}); got {state!r:.200}"
             ) from e
+        order = [i for i, _ in held]
+        if len(held) > self._lookahead or len(set(order)) < len(order) or any(
+                not 0 <= i < arrived for i in order):
+            raise ValueError(
+                f"{PACK_STREAM}: state holds {len(held)} waiting sequences with indices "
+                f"{order[:8]} after {arrived} arrived; a state of this stream has at most "
+                f"lookahead={self._lookahead} of them, distinct, each below 'arrived'; resume "
+                "with the lookahead and the state the stream was saved with"
+            )
         self._arrived, self._waiting, self._exhausted = arrived, held, False
 
     def _read(self) -> None:

@@ -451,6 +451,10 @@ def test_stream_resumed_from_its_state_yields_the_uninterrupted_steps(lengths, r
     first = pack_stream(iter(seqs), **options)
     before = [next(first) for _ in range(min(stop, len(whole)))]
     state = json.loads(json.dumps(first.get_state()))
+    # the documented state: "arrived" read, "waiting" at most lookahead of them, distinct
+    held = [i for i, _ in state["waiting"]]
+    assert len(held) <= lookahead and len(set(held)) == len(held)
+    assert all(0 <= i < state["arrived"] <= len(seqs) for i in held)
     after = list(pack_stream(iter(seqs[state["arrived"]:]), state=state, **options))
     assert len(before) + len(after) == len(whole)
     for got, want in zip(before + after, whole, strict=True):
@@ -483,6 +487,17 @@ def test_a_stream_state_that_is_not_one_is_refused():
     with refuses(ValueError, match=r"pack_stream: state must be a dict from "
                                    r"PackStream.get_state\(\)"):
         pack_stream([], rows=1, length=4, max_microbatches=1, state={"arrived": 3})
+    # a state this stream could not have saved: more waiting than its lookahead (saved with
+    # another lookahead), an index twice, an index not yet arrived
+    waiting = [[0, [1, 2]], [1, [3]], [2, [4, 5]]]
+    for arrived, held, lookahead in ((3, waiting, 2), (3, waiting[:1] * 2, 4), (2, waiting, 4)):
+        with refuses(ValueError, match=r"pack_stream: state holds .* waiting sequences .* "
+                                       r"at most lookahead=\d+ of them, distinct"):
+            pack_stream([], rows=1, length=4, max_microbatches=1, lookahead=lookahead,
+                        state={"arrived": arrived, "waiting": held})
+    stream = pack_stream([], rows=1, length=4, max_microbatches=1, lookahead=3,
+                         state={"arrived": 3, "waiting": waiting})
+    assert [int(i) for i in np.concatenate([stream_indices(p) for p in stream])] == [0, 1, 2]
 
 
 def test_stream_fills_steps_with_lookahead():

@@ -14,6 +14,8 @@ import numpy as np
 import pytest
 from launcher import run_program
 
+L = 3  # layers of tests/multidevice/parameter_ops.py's stacked kernels
+
 
 @pytest.fixture(scope="module")
 def results():
@@ -120,13 +122,26 @@ def test_explicit_parameters_mixed_with_activations():
     jaxaccum reshards the (reduced) parameter there, so its gradient too is reduced once per
     step, at the top level and in nested jits. Inside the model's own scan over layers the
     parameters fall back to a reduction per micro-batch: still the right gradient. So does a
-    model with a convolution (JAX 0.10 has no reduced rule for it)."""
+    model with a convolution (JAX 0.10 has no reduced rule for it). Parameters sharded over
+    the data and a model axis in one dimension are exact in either order."""
     out = run_program("parameter_ops", devices=8, timeout=600)
-    for name in ("top_level", "scanned", "conv"):  # conv: every leaf falls back, still exact
+    for name in ("top_level", "scanned", "loop_bias", "conv"):  # conv: every leaf falls back
         assert out[name]["grads_rel"] <= 1e-5 and out[name]["loss_rel"] <= 1e-5, out
     assert out["top_level"]["reductions"]["in loops"] == 0, out
     assert out["top_level"]["reductions"]["total"] >= 1, out
     assert out["scanned"]["reductions"]["in loops"] >= 1, out  # the documented fallback
+    # only "such parameters" fall back: the bias the loop closes over is reduced per
+    # micro-batch, the 2-D and 3-D kernels outside the loop still once per step
+    r, size = out["loop_bias"]["reductions"], out["bytes"]
+    assert 0 < r["bytes in loops"] <= size["bias"], (r, size)
+    assert r["bytes"] - r["bytes in loops"] >= size["w"] // L + size["w3"], (r, size)
+    # a dimension sharded over the data and the model axis together, in either order: exact,
+    # the gradient sharded like the parameter (Explicit), and no reduction per micro-batch
+    for kind in ("auto", "explicit"):
+        c = out["compound"][kind]
+        assert c["grads_rel"] <= 1e-5 and c["loss_rel"] <= 1e-5, c
+        assert c["reductions"]["in loops"] == 0, c
+    assert out["compound"]["explicit"]["specs_kept"], out["compound"]
 
 
 @pytest.mark.parametrize("mesh", ["fsdp", "data_fsdp"])

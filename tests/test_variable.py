@@ -142,6 +142,12 @@ def test_microbatches_helper_pads_the_last_short_batch():
         jaxaccum.microbatches(x, microbatch_size=2, max_microbatches=4)
     with refuses(ValueError, match="microbatch_size=3 must divide the batch's 10"):
         jaxaccum.microbatches(x, microbatch_size=3, max_microbatches=4)
+    # every leaf is per example: leaves of different lengths (in either order) or a scalar
+    # leaf are refused, whichever leaf comes first
+    for bad in ((x, x[:8]), (x[:8], x), (x, np.float32(1.0))):
+        with refuses(ValueError, match=r"jaxaccum.microbatches: every leaf of batch must have "
+                                       r"the same leading axis .* got leaves of shapes"):
+            jaxaccum.microbatches(bad, microbatch_size=2, max_microbatches=8)
 
 
 @settings(max_examples=60, deadline=None)
