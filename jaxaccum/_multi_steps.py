@@ -222,11 +222,12 @@ def multi_steps(
     the mean over the micro-batch's (valid) items and ``weight`` their count (default 1);
     ``extra_args`` go to ``inner`` on the emitting call. The emitted gradient is
     ``sum(w_i * g_i) / sum(w_i)`` (``sum(w_i * g_i)`` with ``use_grad_mean=False``), cast back to
-    the gradient's dtype. The rules of :mod:`jaxaccum._reductions` hold: a weight-0 micro-batch
-    adds nothing (not even a NaN); a window of total weight 0 makes no step (zero updates,
-    ``inner_opt_state`` and ``gradient_step`` unchanged, ``has_updated`` False); a negative
-    ``weight`` raises a ``ValueError`` when it is concrete, and when traced makes the emitted
-    update NaN (with ``skip_nonfinite`` the micro-batch is left out and counted instead).
+    the gradient's dtype. The weighting rules of :class:`jaxaccum.Options` (``weighted``)
+    hold: a weight-0 micro-batch adds nothing (not even a NaN); a window of total weight 0
+    makes no step (zero updates, ``inner_opt_state`` and ``gradient_step`` unchanged,
+    ``has_updated`` False); a negative ``weight`` raises a ``ValueError`` when it is
+    concrete, and when traced makes the emitted update NaN (with ``skip_nonfinite`` the
+    micro-batch is left out and counted instead).
 
     ``emit`` is the caller's end of the window: a bool or a boolean scalar array (it may be
     traced under ``jax.jit``: one compilation serves both values). When true, this call's

@@ -230,9 +230,9 @@ def train_step(
         threaded through the micro-batches (see :func:`jaxaccum.value_and_grad`); they are
         donated and their final values come back in ``info.carry``.
       donate: donate ``params`` and ``opt_state`` to the step (saves their memory).
-      **options: the accumulation options (:class:`jaxaccum.Options`): ``num_microbatches``
-        or ``microbatch_size``, ``has_aux``, ``weighted``, ``skip_nonfinite``,
-        ``accumulator_dtype``, ``mesh``.
+      **options: the accumulation options, each documented once in
+        :class:`jaxaccum.Options`; every one is taken (``noise_scale``'s estimate comes back
+        in ``info.noise_scale``).
 
     Returns:
       A :class:`TrainStep`: ``step(params, opt_state, batch, *rest) -> (params, opt_state,

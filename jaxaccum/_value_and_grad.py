@@ -121,10 +121,9 @@ def value_and_grad(
         update is dropped. On a mesh its axes must be Explicit.
       return_info: also return a :class:`jaxaccum.StepInfo` (the skipped count, the total
         weight, the micro-batches evaluated, the noise scale, ...), as the steps do.
-      **options: the accumulation options, as :class:`jaxaccum.Options` documents them:
-        ``num_microbatches``, ``microbatch_size`` or ``max_microbatches`` (exactly one),
-        ``has_aux``, ``weighted``, ``skip_nonfinite``, ``accumulator_dtype``, ``mesh``,
-        ``noise_scale`` (with ``return_info=True``), ``unroll``.
+      **options: the accumulation options, each documented once in
+        :class:`jaxaccum.Options`; every one is taken (``noise_scale`` needs
+        ``return_info=True``: its estimate comes back in ``info.noise_scale``).
 
     Returns:
       A function with the signature of ``fun`` returning ``(value, grads)``: ``value`` is the

@@ -34,6 +34,8 @@ from jaxaccum import (
 from jaxaccum._multi_steps import MultiStepsState
 from jaxaccum._records import StepInfo, step_info
 
+__all__ = ["apply_gradients", "train_step"]
+
 OVERWRITE_WITH_GRADIENT = "_overwrite_with_gradient"  # flax.training.train_state's name
 
 

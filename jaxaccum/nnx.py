@@ -35,6 +35,8 @@ from jaxaccum import (
 )
 from jaxaccum._records import Result, StepInfo, step_info
 
+__all__ = ["value_and_grad", "train_step", "coupled_value_and_grad", "statistics_first"]
+
 
 def _in_model(path: tuple[Any, ...], _: Any) -> bool:
     """Filter: variables reached first through the module (node 0 of the split nodes)."""

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import pathlib
 import shutil
 
@@ -30,9 +29,9 @@ def test_splits_sizes_labels_and_pixels(mnist):
     np.testing.assert_allclose(mnist.train_images.std(), 0.30811, atol=5e-6)
 
 
-def test_corrupted_file_is_rejected(tmp_path):
+def test_corrupted_file_is_rejected(tmp_path, mnist_files):
     manual = tmp_path / "manual"
-    shutil.copytree(os.environ["JAXACCUM_MNIST_DIR"], manual)
+    shutil.copytree(mnist_files, manual)
     target = manual / "t10k-labels-idx1-ubyte.gz"
     target.chmod(0o644)
     raw = bytearray(target.read_bytes())
@@ -139,9 +138,10 @@ def test_first_run_logs_no_variant_folder_warning(tmp_path, monkeypatch, caplog)
 
 
 @pytest.mark.slow  # prepares MNIST once more (~10 s)
-def test_prepared_dataset_needs_no_manual_dir_and_no_network(tmp_path, monkeypatch):
+def test_prepared_dataset_needs_no_manual_dir_and_no_network(tmp_path, monkeypatch,
+                                                            mnist_files):
     prepared = tmp_path / "tfds"
-    first = data.mnist("test", data_dir=prepared, manual_dir=os.environ[data.MANUAL_DIR_ENV])
+    first = data.mnist("test", data_dir=prepared, manual_dir=mnist_files)
     monkeypatch.delenv(data.MANUAL_DIR_ENV)
     monkeypatch.setattr(requests, "head", no_network)
     monkeypatch.setattr(requests.Session, "request", no_network)

@@ -17,6 +17,8 @@ import importlib.util
 import sys
 from collections.abc import Sequence
 
+__all__ = ["main"]
+
 EXTRA = "experiment"
 INSTALL_HINT = "pip install 'jaxaccum[experiment]'"
 
