@@ -11,6 +11,13 @@ This is an example policy, not part of the library.
 
     python examples/batch_size_ramp.py            # full run, ~1 min on 2 CPU cores
     python examples/batch_size_ramp.py --smoke    # a few steps of each run, < 30 s
+
+The full run writes ``ramp.json`` (the per-step series) and ``ramp.png`` (the plot) to
+``--out`` (default: ``results/`` in the repository, which git ignores); ``--smoke`` writes
+nothing. MNIST is read as ``jaxaccum-gist`` reads it: prepared once by tensorflow-datasets in
+its data_dir (``--data-dir``, default ``$TFDS_DATA_DIR`` or ``~/tensorflow_datasets``) and
+reused by every later run; the first run downloads the four MNIST files, or offline takes them
+from ``--manual-dir`` (default ``$JAXACCUM_MNIST_DIR``).
 """
 
 from __future__ import annotations
@@ -19,7 +26,6 @@ import argparse
 import json
 import os
 import platform
-import tempfile
 import time
 from pathlib import Path
 
@@ -27,8 +33,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import tensorflow_datasets as tfds
 
 import jaxaccum
+from jaxaccum.experiment import data as mnist_data
 from jaxaccum.experiment import gist, models
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,13 +45,13 @@ LR, EMA, UPDATE_EVERY, SEED = 1e-3, 0.95, 10, 0
 TRACES = [0]  # how many times the loss function was traced (once per compiled program)
 
 
-def load(manual: str) -> gist.Mnist:
-    # Reuse a prepared TFDS copy beside the raw files if there is one, else prepare it in a
-    # temporary folder (~10 s more).
-    if (Path(manual) / "jaxaccum_mnist").is_dir():
-        return gist.Mnist.load(manual, manual)
-    with tempfile.TemporaryDirectory() as tmp:
-        return gist.Mnist.load(tmp, manual)
+def load(args) -> gist.Mnist:
+    """MNIST as jaxaccum-gist loads it: prepared once in TFDS' data_dir, then reused."""
+    tfds.disable_progress_bar()
+    try:
+        return gist.load(args)
+    except gist.DataUnavailable as e:  # offline without the files, a bad file: one line
+        raise SystemExit(f"batch_size_ramp.py: {e}") from None
 
 
 def tidy(v):
@@ -79,8 +87,8 @@ def run(name, step, params, data, order, budget, eval_at, policy):
             count = max(count, int(np.clip(round(b_simple / M), 2, K)))  # only grows
     last = evals[-1]
     print(f"{name:>12}: {len(rows):5d} steps, {seen} examples, test loss "
-          f"{last['test_loss']:.5f}, acc {last['test_acc']:.4f}, final count {rows[-1]['count']}"
-          f", {time.perf_counter() - t0:.1f} s")
+          f"{last['test_loss']:.5f}, acc {last['test_acc']:.4f}, final batch "
+          f"{rows[-1]['count'] * M}, {time.perf_counter() - t0:.1f} s")
     columns = {k: [tidy(r[k]) for r in rows] for k in rows[0]}  # the per-step series
     return {"steps": columns, "evals": evals, "seconds": time.perf_counter() - t0}
 
@@ -90,11 +98,13 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="a few steps of each run")
     parser.add_argument("--seed", type=int, default=SEED, help="seed of the example order")
     parser.add_argument("--epochs", type=float, default=2.0, help="training epochs per run")
-    parser.add_argument("--manual-dir", default=os.environ.get(
-        "JAXACCUM_MNIST_DIR", str(ROOT.parent / "shared" / "mnist")))
+    parser.add_argument("--out", type=Path, default=ROOT / "results",
+                        help="folder for ramp.json and ramp.png of the full run (default: "
+                        "results/ in the repository, ignored by git)")
+    mnist_data.add_arguments(parser)  # --data-dir, --manual-dir: those of jaxaccum-gist
     args = parser.parse_args()
 
-    mnist = load(args.manual_dir)
+    mnist = load(args)
     apply, params = models.functional(models.GistMLP())
     test_x, test_y = mnist.test_images[:5000], mnist.test_labels[:5000]  # fixed test subset
 
@@ -126,9 +136,13 @@ def main() -> None:
     assert step.num_programs == 1 and TRACES[0] == traces, "a fixed run recompiled"
     counts = sorted(set(runs["ramp"]["steps"]["count"]))
     print(f"one compiled program for all three runs (loss traced {traces}x, all while "
-          f"compiling the first step); ramp counts "
-          f"{counts[0]}..{counts[-1]} ({len(counts)} distinct)")
+          f"compiling the first step); the ramp's batch took {len(counts)} sizes, "
+          f"{counts[0] * M}..{counts[-1] * M}")
+    done = (f"GistMLP 784-100-10 on MNIST, {budget:,} examples a run (Adam {LR:g}): the batch "
+            f"followed the noise scale {counts[0] * M} -> {counts[-1] * M} in one compiled "
+            "program")
     if args.smoke:
+        print(f"OK: {done}")
         return
     assert len(counts) > 1, "the ramp never grew"
     summary = report(runs)
@@ -144,12 +158,13 @@ def main() -> None:
               "eval_at_examples": eval_at.tolist(), "test_examples": len(test_y),
               "model": "GistMLP 784-100-10, MSE on one-hot", "seed": args.seed,
               "ramp": "count = max(count, clip(round(B_simple_ema / m), 2, K)) every 10 steps"}
-    out = ROOT / "benchmarks" / "results" / "ramp.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"config": config, "machine": machine, "summary": summary,
-                               "runs": runs}, separators=(",", ":")))
-    plot(runs, ROOT / "docs" / "images" / "ramp.png")
-    print(f"wrote {out.relative_to(ROOT)} and docs/images/ramp.png")
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "ramp.json").write_text(json.dumps(
+        {"config": config, "machine": machine, "summary": summary, "runs": runs},
+        separators=(",", ":")))
+    plot(runs, args.out / "ramp.png")
+    print(f"wrote {args.out / 'ramp.json'} and {args.out / 'ramp.png'}")
+    print(f"OK: {done}; it ended below fixed 1024's test loss in fewer steps than fixed 32")
 
 
 def first(evals, target):
@@ -170,8 +185,6 @@ def report(runs) -> dict:
                 for h in hits.values()]
         print(f"to reach test loss {final[target]:.5f} ({target}'s final): "
               + ", ".join(f"{k} {w}" for k, w in zip(hits, said, strict=True)))
-    for k in runs:
-        print(f"{k:>12}: final test loss {final[k]:.5f} after {out['steps'][k]} steps")
     # The claims: for the same examples the ramp ends below the large batch, and it needs
     # several times fewer optimizer steps than the small batch to reach that loss.
     reach = out["to_reach_fixed_large_final"]

@@ -109,7 +109,8 @@ for epoch in range(EPOCHS):
                                micro_batches)
         print(f"(optax.MultiSteps, without emit: {int(their_state.gradient_step)} steps, "
               f"{int(their_state.mini_step)} micro-batches left in its accumulator)")
-print(f"{EPOCHS} epochs: loss {float(loss_fn(init_params, (x, y))):.4f} -> "
+print(f"a tanh layer 8 -> 2, {EPOCHS} epoch(s) of 10 micro-batches of {MICRO}, Adam every "
+      f"{EVERY_K}: loss {float(loss_fn(init_params, (x, y))):.4f} -> "
       f"{float(loss_fn(params, (x, y))):.4f}")
 if not args.smoke:
     assert loss_fn(params, (x, y)) < 0.2 * loss_fn(init_params, (x, y))

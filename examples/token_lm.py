@@ -116,8 +116,9 @@ for t in range(STEPS):
     used.add(info.num_microbatches)
     if t % 50 == 0:
         print(f"step {t}: token-mean loss {loss:.4f} ({info.num_microbatches} micro-batches)")
-print(f"{STEPS} steps, micro-batch counts {sorted(used)}, {step.num_programs} compiled program: "
-      f"loss {losses[0]:.3f} -> {losses[-1]:.3f}")
+print(f"tiny transformer LM, {STEPS} packed steps of {B} sequences (micro-batch counts "
+      f"{sorted(used)}, {step.num_programs} compiled program): token-mean loss "
+      f"{losses[0]:.3f} -> {losses[-1]:.3f}")
 assert step.num_programs == 1 and len(used) > 1
 assert losses[-1] < (1.0 if args.smoke else 0.2) * losses[0]
 print("OK: weighted accumulation gives the exact token mean, padded and packed")

@@ -108,8 +108,9 @@ for t in range(STEPS):
 test = pairs(B)
 z_img, z_txt = jax.jit(encode)(params, test)
 recall = float(jnp.mean(jnp.argmax(z_img @ z_txt.T, axis=1) == jnp.arange(B)))
-print(f"{STEPS} steps: loss {losses[0]:.3f} -> {losses[-1]:.3f}; image->text top-1 among "
-      f"{B}: {recall:.2f} (chance {1 / B:.3f})")
+print(f"two towers, {STEPS} Adam steps of {B} pairs in {K} micro-batches: loss "
+      f"{losses[0]:.3f} -> {losses[-1]:.3f}; image->text top-1 among {B}: {recall:.2f} "
+      f"(chance {1 / B:.3f})")
 if not args.smoke:
     assert losses[-1] < 0.5 * losses[0] and recall > 0.3
 print("OK: the coupled gradient is the full batch's; the plain one is not")

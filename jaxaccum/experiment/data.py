@@ -11,10 +11,14 @@ as ``array_record`` under TFDS' ``data_dir`` (``~/tensorflow_datasets`` unless g
 Offline with neither a manual directory nor a prepared dataset, :func:`mnist` raises
 :class:`MnistDownloadError` at once, saying what to set, instead of retrying the download for
 minutes.
+
+:func:`add_arguments` gives a command line the ``--data-dir`` and ``--manual-dir`` options of
+``jaxaccum-gist`` (the MNIST programs in ``examples/`` take the same two).
 """
 
 from __future__ import annotations
 
+import argparse
 import gzip
 import os
 from collections.abc import Iterator
@@ -25,6 +29,7 @@ import requests
 import tensorflow_datasets as tfds
 
 MANUAL_DIR_ENV = "JAXACCUM_MNIST_DIR"
+DATA_DIR_ENV = "TFDS_DATA_DIR"  # read by tensorflow-datasets itself
 _URL = "https://storage.googleapis.com/cvdf-datasets/mnist/"
 _FILES = {
     "train_images": "train-images-idx3-ubyte.gz",
@@ -145,6 +150,24 @@ def mnist(
     images = np.stack([r["image"] for r in records]).reshape(len(records), 784)
     labels = np.asarray([r["label"] for r in records], np.int32)
     return images.astype(np.float32) / 255.0, labels
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Adds ``--data-dir`` (TFDS' ``data_dir``, where MNIST is prepared once and then reused)
+    and ``--manual-dir`` (the four ``.gz`` files, for offline use) to ``parser``; pass the
+    parsed values to :func:`mnist` as ``data_dir`` and ``manual_dir``."""
+    parser.add_argument(
+        "--data-dir",
+        default=None,
+        help=f"TFDS data_dir where MNIST is prepared once (default: ${DATA_DIR_ENV} or "
+        "~/tensorflow_datasets)",
+    )
+    parser.add_argument(
+        "--manual-dir",
+        default=os.environ.get(MANUAL_DIR_ENV),
+        help=f"folder with the four MNIST .gz files, for offline use (default: "
+        f"${MANUAL_DIR_ENV}); without one, they are downloaded",
+    )
 
 
 def _offline_message(builder: tfds.core.DatasetBuilder, error: Exception) -> str:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import pathlib
 import statistics
 import sys
@@ -721,18 +720,7 @@ def parser() -> argparse.ArgumentParser:
         default="results",
         help="output folder for results.json and loss_curves.png (default: ./results)",
     )
-    p.add_argument(
-        "--data-dir",
-        default=None,
-        help="TFDS data_dir where MNIST is prepared once (default: $TFDS_DATA_DIR or "
-        "~/tensorflow_datasets)",
-    )
-    p.add_argument(
-        "--manual-dir",
-        default=os.environ.get(data.MANUAL_DIR_ENV),
-        help=f"folder with the four MNIST .gz files, for offline use (default: "
-        f"${data.MANUAL_DIR_ENV}); without one, they are downloaded",
-    )
+    data.add_arguments(p)  # --data-dir, --manual-dir
     return p
 
 
