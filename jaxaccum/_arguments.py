@@ -96,7 +96,8 @@ class Accumulation:
                 raise TypeError(
                     f"{self.entry}: the loss function must return {expected} (has_aux="
                     f"{self.options.has_aux!r}, weighted={weighted}); {what} is "
-                    f"{type(value).__name__}: {value!r}"
+                    f"{_described(value)}. Return {expected}, or set has_aux and weighted "
+                    "to what it returns"
                 )
             return value[0], value[1]
 
@@ -104,7 +105,7 @@ class Accumulation:
         if has_aux:
             out, aux = pair(out, "its output")
         if weighted:
-            out, weight = pair(out, "(loss, weight)")
+            out, weight = pair(out, "its output" if not has_aux else "its loss part")
         return out, weight, aux, new_carry
 
     def _split_carry(self, out: Any) -> tuple[Any, tuple[Any, ...]]:
@@ -147,6 +148,15 @@ def replace(args: tuple[Any, ...], at: tuple[int, ...], values: Any) -> tuple[An
     for i, value in zip(at, values, strict=True):
         replaced[i] = value
     return tuple(replaced)
+
+
+def _described(value: Any) -> str:
+    """A value a loss function returned, as a user would name it (no tracer reprs)."""
+    if hasattr(value, "shape") and hasattr(value, "dtype"):
+        return f"an array of shape {tuple(value.shape)} and dtype {value.dtype}"
+    if isinstance(value, (tuple, list)):
+        return f"a {type(value).__name__} of {len(value)}"
+    return f"a {type(value).__name__}"
 
 
 def make(

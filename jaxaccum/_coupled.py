@@ -84,7 +84,7 @@ NOT_COUPLED = {
 def _refuse(entry: str, options: dict[str, Any]) -> None:
     for name, why in NOT_COUPLED.items():
         if options.get(name) not in (None, False):
-            raise TypeError(f"{entry}: {name}= is not taken: {why}")
+            raise TypeError(f"{entry}: {name}= is not taken: {why}; remove it here")
 
 
 def coupled_value_and_grad(

@@ -399,8 +399,11 @@ def multi_steps(
             updates, "updates", "multi_steps averages gradients and needs floating leaves"
         )
         if weight is not None:
-            _validation.scalar(jnp.asarray(weight), "weight", floating=False)
-            _reductions.check_weight(weight, "weight")
+            try:
+                _validation.scalar(jnp.asarray(weight), "weight", floating=False)
+                _reductions.check_weight(weight, "weight")
+            except (TypeError, ValueError) as e:
+                raise type(e)(f"{_UPDATE}: {e}") from None
         caller_emit = _emit_flag(emit)
 
         # keep: the micro-batch enters the window (should_skip_update_fn did not reject it).

@@ -10,6 +10,7 @@ point the user called in every error. What a front end adds of its own (``argnum
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from typing import Any
 
 import jax
@@ -23,13 +24,13 @@ FSDP_MODES = ("step", "microbatch")
 
 # Options that existed once: what to write instead.
 RENAMED = {
-    "aux_reduce": "has_aux=<reduction>: has_aux takes True (stack), a reduction name such as "
-    "'concat' or 'sum', or a tree of names",
-    "data_axis": "mesh=jaxaccum.DataParallel(mesh, data_axis=...)",
-    "fsdp": "mesh=jaxaccum.DataParallel(mesh, data_axis=..., fsdp=...)",
-    "param_shardings": "mesh=jaxaccum.DataParallel(mesh, ..., param_shardings=...)",
-    "remat": "wrap your loss in jax.checkpoint yourself (the option is gone: remat inside the "
-    "micro-step saved no memory in the benchmarks, the micro-batch already bounds activations)",
+    "aux_reduce": "write has_aux=<reduction>: has_aux takes True (stack), a reduction name "
+    "such as 'concat' or 'sum', or a tree of names",
+    "data_axis": "write mesh=jaxaccum.DataParallel(mesh, data_axis=...)",
+    "fsdp": "write mesh=jaxaccum.DataParallel(mesh, data_axis=..., fsdp=...)",
+    "param_shardings": "write mesh=jaxaccum.DataParallel(mesh, ..., param_shardings=...)",
+    "remat": "wrap your loss in jax.checkpoint yourself (remat inside the micro-step saved "
+    "no memory in the benchmarks: the micro-batch already bounds activations)",
 }
 
 
@@ -212,10 +213,12 @@ def parse(entry: str, options: dict[str, Any]) -> Options:
         if name in fields:
             continue
         if name in RENAMED:
-            raise TypeError(f"{entry}: the option {name}= is gone; write {RENAMED[name]}")
+            raise TypeError(f"{entry}: the option {name}= is gone; {RENAMED[name]}")
+        close = difflib.get_close_matches(name, sorted(fields), n=1)
+        hint = f"did you mean {close[0]}=? " if close else ""
         raise TypeError(
-            f"{entry} got an unknown option {name}=; the options are {sorted(fields)} (see "
-            "jaxaccum.Options)"
+            f"{entry}: unknown option {name}=; {hint}check the name against the options "
+            f"{sorted(fields)} (see jaxaccum.Options)"
         )
     out = Options(**options)
     _validation.exactly_one_count(out.num_microbatches, out.microbatch_size, entry,

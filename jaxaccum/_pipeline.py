@@ -261,7 +261,8 @@ def run(acc: Accumulation, args: tuple[Any, ...], placement: Placement) -> Resul
     stacked = _microbatches.unstack(acc, args)
     _validation.floating_leaves(
         acc.differentiated(args), f"{acc.entry}: argnums",
-        "gradients need floating (or complex) leaves",
+        "gradients need floating (or complex) leaves: cast them to a float dtype, or pass "
+        "them as an argument outside argnums",
     )
     opts = acc.options
     if stacked is not None:  # micro-batches of m examples, read where they lie

@@ -80,7 +80,8 @@ def check_weight(weight: ArrayLike, what: str) -> None:
         return  # traced: see valid_weight
     if np.any(value < 0) or not np.all(np.isfinite(value)):
         raise ValueError(
-            f"{what} must be a finite count of valid items >= 0; got {what}={value.tolist()!r}"
+            f"{what} must be a finite count of valid items >= 0; got {what}={value.tolist()!r}; "
+            "pass the micro-batch's count of valid items (0 leaves it out)"
         )
 
 

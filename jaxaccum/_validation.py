@@ -23,7 +23,8 @@ def positive_int(value: Any, name: str, entry: str | None = None) -> int:
             f"{where}{name} must be a positive int; got {value!r} of type {type(value).__name__}"
         )
     if value < 1:
-        raise ValueError(f"{where}{name} must be >= 1; got {name}={value}")
+        raise ValueError(f"{where}{name} must be >= 1; got {name}={value}; pass a positive "
+                         "count (1 is the plain full batch)")
     return int(value)
 
 
@@ -122,11 +123,13 @@ def leading_batch_size(
         listing = ", ".join(f"{k}: {v}" for k, v in sizes.items())
         raise ValueError(
             f"{entry}: the leaves of the batch arguments (batch_argnums={batch_argnums}) must "
-            f"share one leading batch size; got {listing}"
+            f"share one leading batch size; got {listing}; give every per-example leaf the "
+            "batch's length, and pass values shared by every example as another argument"
         )
     (size,) = distinct
     if size == 0:
-        raise ValueError(f"{entry}: the batch is empty (leading batch size 0)")
+        raise ValueError(f"{entry}: the batch is empty (leading batch size 0); skip empty "
+                         "batches before the step, or use max_microbatches=K with a count of 0")
     return int(size)
 
 
@@ -144,7 +147,8 @@ def scalar(value: Any, what: str, *, floating: bool) -> None:
         )
     if shape != ():
         raise ValueError(
-            f"{what} must be a scalar (the mean over the micro-batch); got shape {shape}"
+            f"{what} must be a scalar (the mean over the micro-batch); got shape {shape}; "
+            "return its mean (jnp.mean), and per-example values as an aux (has_aux='concat')"
         )
     kinds = (jnp.floating,) if floating else (jnp.floating, jnp.integer, jnp.bool_)
     if not any(jnp.issubdtype(dtype, kind) for kind in kinds):

@@ -90,5 +90,5 @@ def test_a_coupled_loss_through_plain_accumulation_is_caught_and_the_fix_passes(
 
 
 def test_check_names_itself_in_option_errors():
-    with refuses(TypeError, match="jaxaccum.check got an unknown option"):
+    with refuses(TypeError, match="jaxaccum.check: unknown option"):
         jaxaccum.check(mse_loss, PARAMS, BATCH, k=4)

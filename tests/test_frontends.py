@@ -286,7 +286,7 @@ def test_removed_options_say_what_replaces_them(name, hint):
 
 
 def test_unknown_option_and_bad_counts_name_the_entry_point():
-    with refuses(TypeError, match="jaxaccum.nnx.value_and_grad got an unknown option"):
+    with refuses(TypeError, match="jaxaccum.nnx.value_and_grad: unknown option"):
         jaxaccum.nnx.value_and_grad(mse_loss, num_microbatches=2, microbatches=2)
     with refuses(ValueError, match="jaxaccum.train_step: exactly one of"):
         jaxaccum.train_step(mse_loss, optax.sgd(1.0))
