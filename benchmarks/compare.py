@@ -5,7 +5,7 @@ Every number printed comes from those JSON files: speed and models compare ratio
 batch measured in the same rounds (what the scripts interleave for); sharded compares bytes
 from the compiled programs (collectives executed per step, the reductions among them, the
 reductions inside loop bodies, temp bytes per device). The output is Markdown
-(docs/pipeline_benchmarks.md was written from it).
+(benchmarks/notes/pipeline_rewrite.md was written from it).
 
     python benchmarks/compare.py 6c39e43
     python benchmarks/compare.py 6c39e43 --only sharded

@@ -19,7 +19,7 @@ third). Writes ``results/OUT.json`` (``--out``, default ``models_loops``: keys `
 The committed ``results/models_loops.json`` is evidence from before a4b2f71, made by this
 study's earlier version (``benchmarks/models.py loops``), and its way names are those of that
 time: ``jaxaccum`` is the library as it was then, ``proposed`` the prototype of what it is now
-(docs/perf_investigation.md). A rerun measures the ways above, under other names, and would
+(benchmarks/notes/cnn_loops.md). A rerun measures the ways above, under other names, and would
 replace it: give ``--out models_loops_rerun`` to keep both.
 
     python benchmarks/loops.py --quick --out models_loops_quick

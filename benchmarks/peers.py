@@ -5,6 +5,8 @@ per method, on the same batch:
 
 - ``full``: one big-batch step, the reference for the time ratios;
 - ``jaxaccum``: ``jaxaccum.train_step`` (``weighted=True`` for the LM, weight: valid tokens);
+- ``python_loop``: the loop a user writes first: k calls of a jitted ``jax.grad`` on
+  contiguous micro-batches, a Python-side tree sum, one jitted update of the mean;
 - ``optax_multisteps``: ``optax.MultiSteps``, one jitted call per (contiguous) micro-batch;
 - ``optax_microbatching``: ``optax.microbatching.microbatch`` (MEAN) around ``jax.grad``;
 - ``maxtext``: MaxText's gradient accumulation, re-implemented (``maxtext_value_and_grad``);
@@ -37,12 +39,14 @@ The two re-implementations (read, then re-written here; no code copied):
 Objectives: the MLPs and the CNN have equal micro-batches, so every method's objective is the
 batch mean. The LM's true objective is the mean cross-entropy over the valid tokens of the
 whole batch: ``full``, ``jaxaccum`` and ``maxtext`` compute it; ``levanter``,
-``optax_multisteps`` (contiguous micro-batches) and ``optax_microbatching`` (strided) average
-micro-batch token means, their own objective, and their error is given against both.
+``python_loop``, ``optax_multisteps`` (contiguous micro-batches) and ``optax_microbatching``
+(strided) average micro-batch token means, their own objective, and their error is given
+against both.
 
 Per model, k and method: the median step time (methods interleaved round by round, ratios to
 ``full`` within the same rounds); ``temp_size_in_bytes`` of the compiled program (params and
-optimizer state donated; MultiSteps: its per-micro-batch program) and the optimizer state's
+optimizer state donated; MultiSteps: its per-micro-batch program; the Python loop: its
+gradient program, one micro-batch) and the optimizer state's
 bytes; the gradient the optimizer receives (captured by a pass-through optimizer that stores
 it in its state, in a second, untimed program), as max |g - g64| / max |g64| against a
 float64 reference of the full-batch gradient (the LM's float32 casts mapped to float64).
@@ -79,10 +83,11 @@ from model_zoo import cnn_data, cnn_loss, cnn_params, copy, lm_data, lm_loss, lm
 
 import jaxaccum
 
-METHODS = ("full", "jaxaccum", "optax_multisteps", "optax_microbatching", "maxtext", "levanter")
+METHODS = ("full", "jaxaccum", "python_loop", "optax_multisteps", "optax_microbatching",
+           "maxtext", "levanter")
 # how each method splits the batch and which objective it computes on a token-weighted loss
-SPLIT = {"optax_multisteps": "contiguous", "optax_microbatching": "strided",
-         "levanter": "contiguous"}
+SPLIT = {"python_loop": "contiguous", "optax_multisteps": "contiguous",
+         "optax_microbatching": "strided", "levanter": "contiguous"}
 MAXTEXT_EPS = 1e-8
 
 
@@ -265,6 +270,26 @@ class Program:
     jitted: Any
     optimizer: optax.GradientTransformation
     per_call: bool = False
+    micro_list: bool = False  # data: the list of micro-batches, given to one call
+
+
+class PythonLoop:
+    """k jitted gradient calls, a Python-side tree sum, one jitted update of the mean: the
+    accumulation loop a user writes first. ``lower`` lowers its gradient program."""
+
+    def __init__(self, mean_loss: Callable[..., Any], apply: Callable[..., Any],
+                 donated: tuple[int, ...]) -> None:
+        self.grad = jax.jit(jax.grad(mean_loss))
+        self.update = jax.jit(apply, donate_argnums=donated)
+
+    def __call__(self, params: Any, state: Any, micros: list[Any]) -> Any:
+        total = self.grad(params, micros[0])
+        for micro in micros[1:]:
+            total = jax.tree.map(jnp.add, total, self.grad(params, micro))
+        return self.update(params, state, jax.tree.map(lambda g: g / len(micros), total))
+
+    def lower(self, params: Any, state: Any, micros: list[Any]) -> Any:
+        return self.grad.lower(params, micros[0])
 
 
 def build(case: Case, method: str, k: int, optimizer: Any, donate: bool) -> Program:
@@ -281,6 +306,8 @@ def build(case: Case, method: str, k: int, optimizer: Any, donate: bool) -> Prog
             case.loss, optimizer, num_microbatches=k, weighted=case.weighted, donate=donate
         )
         return Program(step, optimizer)
+    if method == "python_loop":
+        return Program(PythonLoop(case.mean_loss, apply, donated), optimizer, micro_list=True)
     if method == "optax_multisteps":
         multi = optax.MultiSteps(optimizer, k).gradient_transformation()
         apply_multi = apply_update(multi)
@@ -306,7 +333,7 @@ def build(case: Case, method: str, k: int, optimizer: Any, donate: bool) -> Prog
 
 
 def data_for(case: Case, prog: Program, k: int) -> Any:
-    return contiguous(case.batch, k) if prog.per_call else case.batch
+    return contiguous(case.batch, k) if prog.per_call or prog.micro_list else case.batch
 
 
 def run_step(fn: Any, per_call: bool, params: Any, state: Any, data: Any) -> tuple[Any, Any]:
@@ -419,9 +446,12 @@ def run_k(case: Case, k: int, rounds: int, refs: dict[Any, Any]) -> dict[str, An
         row[method] = {
             "compile_s": time.perf_counter() - start,
             "temp_bytes": compiled.memory_analysis().temp_size_in_bytes,
-            "state_bytes": tree_bytes(state),
+            # (the Python loop also keeps its running gradient sum between its calls)
+            "state_bytes": tree_bytes(state) + (tree_bytes(params) if prog.micro_list else 0),
         }
-        built.append([method, compiled, prog.per_call, params, state, data])
+        # (the Python loop is timed as it runs: its own compiled calls, dispatched from Python)
+        built.append([method, prog.jitted if prog.micro_list else compiled, prog.per_call,
+                      params, state, data])
     times: dict[str, list[float]] = {m: [] for m in METHODS}
     for r in range(rounds + 1):  # round 0 warms up
         for entry in built:
@@ -530,8 +560,8 @@ def markdown(results: dict[str, Any]) -> str:
     lines += ["## Step time: median, ratio to `full` in the same rounds", ""]
     lines += _table(["model", "k", "full ms"] + list(peers), rows_t)
     lines += ["", "## Temp MiB (compiled, params and optimizer state donated; MultiSteps: the "
-              "per-micro-batch program; `+ state`: optimizer state kept between steps beyond "
-              "`full`'s)", ""]
+              "per-micro-batch program; the Python loop: its gradient program; `+ state`: "
+              "what is kept between steps or calls beyond `full`'s optimizer state)", ""]
     lines += _table(["model", "k"] + list(METHODS), rows_m)
     lines += ["", "## Gradient error: max abs error / max abs of the float64 full-batch "
               "gradient (true objective); `own`: against the float64 gradient of the method's "

@@ -6,6 +6,10 @@ public name, and the Python examples of README.md and docs/ run.
   in the built API page docs/api/core.md, and every public submodule (``jaxaccum.nnx``, ...) a
   page docs/api/<name>.md with an entry for each function and class it defines: a new public
   name without documentation fails here.
+- ``test_code_blocks_fit_the_column``: no line of a code block in README.md, docs/ or
+  examples/README.md is wider than the site's content column shows (80 characters).
+- ``test_benchmarks_open_with_the_summary``: the Benchmarks page shows exactly what
+  ``benchmarks/summary.py`` prints from the committed ``peers.json``.
 - ``test_python_blocks_run``: every ```` ```python ```` block of README.md and of each
   ``docs/**/*.md`` page, in order, in one namespace per page, in a fresh interpreter per page
   (8 host CPU devices when the page builds a mesh). A block whose previous non-blank line is
@@ -33,10 +37,11 @@ MULTI_DEVICE = re.compile(r"make_mesh|\bMesh\(|jax\.devices\(|device_count|DataP
 _OPEN = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})[ \t]*(?P<info>[^\n]*)$")
 
 
-def python_blocks(text: str) -> list[tuple[int, str]]:
-    """The ```` ```python ```` blocks not marked to skip, as (1-based line of the fence, code)."""
+def fenced_blocks(text: str) -> list[tuple[int, str, str, list[str]]]:
+    """Every fenced code block: (1-based line of the fence, language, the previous non-blank
+    line, the block's lines without the fence's indentation)."""
     lines = text.splitlines()
-    blocks: list[tuple[int, str]] = []
+    blocks: list[tuple[int, str, str, list[str]]] = []
     i = 0
     while i < len(lines):
         m = _OPEN.match(lines[i])
@@ -57,9 +62,14 @@ def python_blocks(text: str) -> list[tuple[int, str]]:
             i += 1
         i += 1
         previous = next((ln.strip() for ln in reversed(lines[:start]) if ln.strip()), "")
-        if lang in ("python", "py") and previous != SKIP_MARKER:
-            blocks.append((start + 1, "\n".join(body) + "\n"))
+        blocks.append((start + 1, lang, previous, body))
     return blocks
+
+
+def python_blocks(text: str) -> list[tuple[int, str]]:
+    """The ```` ```python ```` blocks not marked to skip, as (1-based line of the fence, code)."""
+    return [(line, "\n".join(body) + "\n") for line, lang, previous, body in fenced_blocks(text)
+            if lang in ("python", "py") and previous != SKIP_MARKER]
 
 
 def pages() -> list[pathlib.Path]:
@@ -192,3 +202,30 @@ def test_site_builds_strict(tmp_path: pathlib.Path) -> None:
             "keep it out of __all__ and the page (mkdocstrings 'members:'), or add a public "
             "class member to PUBLIC_MEMBERS"
         )
+
+
+CODE_WIDTH = 80  # characters of a code block the content column shows without scrolling
+
+
+def test_code_blocks_fit_the_column() -> None:
+    pages = [ROOT / "README.md", ROOT / "examples" / "README.md",
+             *sorted((ROOT / "docs").rglob("*.md"))]
+    wide = [f"{page.relative_to(ROOT)}:{line + n + 1}: {len(text)} columns"
+            for page in pages
+            for line, _, _, body in fenced_blocks(page.read_text(encoding="utf-8"))
+            for n, text in enumerate(body) if len(text) > CODE_WIDTH]
+    assert not wide, f"code lines wider than {CODE_WIDTH} columns (they scroll sideways): {wide}"
+
+
+def test_benchmarks_open_with_the_summary() -> None:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import summary
+    finally:
+        sys.path.pop(0)
+    peers = json.loads((ROOT / "benchmarks" / "results" / "peers.json").read_text())
+    page = (ROOT / "docs" / "benchmarks" / "index.md").read_text(encoding="utf-8")
+    shown = page.split("<!-- summary:start -->\n")[1].split("<!-- summary:end -->")[0]
+    assert shown == summary.summary(peers), (
+        "docs/benchmarks/index.md's summary differs from `python benchmarks/summary.py`: "
+        "paste its output between the summary markers")
