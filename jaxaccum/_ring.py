@@ -29,8 +29,13 @@ def _hop(axis: str, tree: Any) -> Any:
 
 
 def _vary(axis: str) -> Any:
-    """Types a pytree of fresh arrays as varying over ``axis`` (the carries of the loops)."""
-    return lambda tree: jax.tree.map(lambda x: lax.pcast(x, (axis,), to="varying"), tree)
+    """Types a pytree of arrays as varying over ``axis`` (the carries of the loops), those
+    that are not yet."""
+    def one(x: Any) -> Any:
+        return x if axis in jax.typeof(x).manual_axis_type.varying else lax.pcast(
+            x, (axis,), to="varying")
+
+    return lambda tree: jax.tree.map(one, tree)
 
 
 def _add(x: Any, y: Any) -> Any:
@@ -57,11 +62,15 @@ def _forward(score: Score, tile: int, axis: str, params: Any, a: Any, b: Any, wa
     pa, pb, pwa, pwb = _tiles.inputs(g, a, b, wa, wb)
     vary = _vary(axis)
     rows = vary(_tiles.empty_stats(g.rows * g.ta))
-    block = (pb, pwb, vary(_tiles.empty_stats(g.cols * g.tb)))
-    for _ in range(lax.axis_size(axis)):  # the block held now came from i - step
-        y, wy, cols = block
+    block = vary((pb, pwb, _tiles.empty_stats(g.cols * g.tb)))
+
+    def step(_: Any, carry: Any) -> Any:  # the block held now came from i - step
+        rows, (y, wy, cols) = carry
         rows, cols = _tiles.lse_stats(score, g, True, params, pa, y, pwa, wy, rows, cols)
-        block = _hop(axis, (y, wy, cols))
+        return rows, _hop(axis, (y, wy, cols))
+
+    # a loop, not unrolled: one block visits at a time (two buffers), whatever the ring's size
+    rows, block = lax.fori_loop(0, lax.axis_size(axis), step, (rows, block))
     rows_lse, cols_lse = _tiles.finish(*rows), _tiles.finish(*block[2])  # the block is home
     return (rows_lse[:n_a], cols_lse[:n_b]), (params, a, b, wa, wb, rows_lse, cols_lse)
 
@@ -76,14 +85,17 @@ def _backward(score: Score, tile: int, axis: str, res: Any,
     vary = _vary(axis)
     pv = vary(params)  # differentiated per device (no reduction per tile), summed once below
     rows_w = _tiles.lse_weights(rows, ct[0], g.rows * g.ta)
-    block = (pb, pwb, _tiles.lse_weights(cols, ct[1], g.cols * g.tb), vary(_f32_zeros(pb)))
+    block = vary((pb, pwb, _tiles.lse_weights(cols, ct[1], g.cols * g.tb), _f32_zeros(pb)))
     dp, da = vary(_f32_zeros(params)), vary(_f32_zeros(pa))
-    for _ in range(lax.axis_size(axis)):
-        y, wy, cols_w, dy = block
+
+    def step(_: Any, carry: Any) -> Any:
+        dp, da, (y, wy, cols_w, dy) = carry
         tile_ct = _tiles.lse_tile_ct(score, g, pv, rows_w, cols_w, pwa, wy)
         tp, tx, ty = _tiles.pullback(tile_ct, g, params, pa, y, vary)
         dp, da, dy = _add(dp, tp), _add(da, tx), _add(dy, ty)
-        block = _hop(axis, (y, wy, cols_w, dy))
+        return dp, da, _hop(axis, (y, wy, cols_w, dy))
+
+    dp, da, block = lax.fori_loop(0, lax.axis_size(axis), step, (dp, da, block))
     db = block[3]  # home, with every device's contribution
     dp = lax.psum(dp, axis)  # the parameters are the same on every device
     cast = _tiles.cast_like
@@ -104,7 +116,7 @@ def total(term: Term, tile: int, axis: str, params: Any, a: Any, b: Any, wa: jax
     return _total_forward(term, tile, axis, params, a, b, wa, wb)[0]
 
 
-def _offset(axis: str, step: int, n: int) -> jax.Array:
+def _offset(axis: str, step: Any, n: int) -> jax.Array:
     """The global index of the first row of the block held at ``step`` (it came from device
     ``index - step``)."""
     size = lax.axis_size(axis)
@@ -117,13 +129,14 @@ def _total_forward(term: Term, tile: int, axis: str, params: Any, a: Any, b: Any
     g = _tiles.grid(n_a, n_b, tile)
     pa, pb, pwa, pwb = _tiles.inputs(g, a, b, wa, wb)
     value = _vary(axis)(jnp.zeros((), jnp.float32))
-    block = (pb, pwb)
-    for step in range(lax.axis_size(axis)):
-        y, wy = block
-        shift = _offset(axis, 0, n_a) - _offset(axis, step, n_b)
 
+    def step(i: jax.Array, carry: Any) -> Any:
+        value, (y, wy) = carry
+        shift = _offset(axis, 0, n_a) - _offset(axis, i, n_b)
         value = _tiles.total_tiles(term, g, params, pa, y, pwa, wy, value, shift)
-        block = _hop(axis, block)
+        return value, _hop(axis, (y, wy))
+
+    value, _ = lax.fori_loop(0, lax.axis_size(axis), step, (value, _vary(axis)((pb, pwb))))
     return lax.psum(value, axis), (params, a, b, wa, wb)
 
 
@@ -133,18 +146,20 @@ def _total_backward(term: Term, tile: int, axis: str, res: Any, ct: jax.Array) -
     g = _tiles.grid(n_a, n_b, tile)
     pa, pb, pwa, pwb = _tiles.inputs(g, a, b, wa, wb)
     vary = _vary(axis)
-    block = (pb, pwb, vary(_f32_zeros(pb)))
+    block = vary((pb, pwb, _f32_zeros(pb)))
     dp, da = vary(_f32_zeros(params)), vary(_f32_zeros(pa))
     ct = vary(ct)  # the cotangent of every device's share of the sum
     pv = vary(params)  # differentiated per device (no reduction per tile), summed once below
-    for step in range(lax.axis_size(axis)):
-        y, wy, dy = block
-        shift = _offset(axis, 0, n_a) - _offset(axis, step, n_b)
 
+    def step(i: jax.Array, carry: Any) -> Any:
+        dp, da, (y, wy, dy) = carry
+        shift = _offset(axis, 0, n_a) - _offset(axis, i, n_b)
         tile_ct = _tiles.total_tile_ct(term, g, pv, pwa, wy, ct, shift)
         tp, tx, ty = _tiles.pullback(tile_ct, g, params, pa, y, vary)
         dp, da, dy = _add(dp, tp), _add(da, tx), _add(dy, ty)
-        block = _hop(axis, (y, wy, dy))
+        return dp, da, _hop(axis, (y, wy, dy))
+
+    dp, da, block = lax.fori_loop(0, lax.axis_size(axis), step, (dp, da, block))
     dp = lax.psum(dp, axis)
     cast = _tiles.cast_like
     return (cast(dp, params), jax.tree.map(lambda x: x[:n_a], cast(da, pa)),

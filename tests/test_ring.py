@@ -32,3 +32,13 @@ def test_the_ring_loss_in_the_coupled_step_equals_one_device_and_reduces_once(ou
     assert max(r["rel"]) <= EXACT, r["rel"]
     assert "all-gather" not in r["collectives"] and "collective-permute" in r["collectives"]
     assert r["reductions"]["total"] == 1 and r["reductions"]["in loops"] == 0, r["reductions"]
+
+
+def test_no_device_holds_much_more_than_twice_its_share(out):
+    """Per device, the ring's backward holds the cotangent of its own rows (half its share),
+    the visiting block's rows and their cotangent (its share) and the next block arriving
+    (about its share again), plus tile buffers (tile^2 floats): about twice its share of the
+    representations, however many devices the ring has (one block visits at a time)."""
+    r = out["memory"]
+    for name in ("clip", "siglip"):
+        assert r[name] <= 2.5 * r["share"], (name, r[name] / r["share"])

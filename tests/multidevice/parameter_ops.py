@@ -53,9 +53,9 @@ def loop_bias(p: Params, x: jax.Array, explicit: bool = True) -> jax.Array:
     """A 2-D and a 3-D kernel at the top level, then a loop that closes over a bias: only
     the bias falls back; the kernels keep the single reduction."""
     dot = matmul(explicit)
-    kw = {"out_sharding": P("data", None, None)} if explicit else {}
     h = jnp.tanh(dot(x, p["w"][0]))
-    h = jnp.tanh(jnp.einsum("bd,hde->bhe", h, p["w3"], **kw)).mean(1)
+    h = jnp.tanh(jnp.einsum("bd,hde->bhe", h, p["w3"],
+                            out_sharding=P("data", None, None) if explicit else None)).mean(1)
     h, _ = jax.lax.scan(lambda h, _: (jnp.tanh(h + p["bias"]), None), h, None, length=2)
     return jnp.mean(h**2)
 

@@ -75,7 +75,32 @@ def main() -> None:
                                         default=0),
             }
     out["coupled"] = coupled()
+    out["memory"] = memory()
     emit(out)
+
+
+def memory() -> dict[str, Any]:
+    """Per-device compiled temp of each loss's value and gradients by the ring, B = 8 x 4096,
+    d = 64, tile 128, against one device's share of the representations (its rows of both
+    sides): the tile buffers are small beside the share, so the share dominates."""
+    n, d, tile = 8 * 4096, 64, 128
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Auto,))
+    a = jax.device_put(np.zeros((n, d), np.float32), NamedSharding(mesh, P("data")))
+    s, t = np.float32(2.0), np.float32(-1.0)
+    out: dict[str, Any] = {"share": 2 * (n // 8) * d * 4}
+    for name in ("clip", "siglip"):
+        def local(a: jax.Array, b: jax.Array, s: jax.Array, t: jax.Array,
+                  name: str = name) -> jax.Array:
+            if name == "clip":
+                return clip_loss(a, b, s, tile=tile, axis_name="data")
+            return siglip_loss(a, b, s, t, tile=tile, axis_name="data")
+
+        ring = jax.shard_map(local, mesh=mesh, in_specs=(P("data"), P("data"), P(), P()),
+                             out_specs=P())
+        compiled = jax.jit(jax.value_and_grad(ring, argnums=(0, 1, 2, 3))).lower(
+            a, a, s, t).compile()
+        out[name] = compiled.memory_analysis().temp_size_in_bytes
+    return out
 
 
 def coupled() -> dict[str, Any]:
