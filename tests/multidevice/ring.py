@@ -17,7 +17,7 @@ import jaxaccum
 from jaxaccum import _hlo
 from jaxaccum.contrastive import clip_loss, siglip_loss
 
-from .common import emit, hlo_text
+from .common import emit, hlo_text, memory
 
 B, D, E, TILE = 8 * 24, 12, 6, 10  # tiles that do not divide a device's 24 rows
 
@@ -75,11 +75,11 @@ def main() -> None:
                                         default=0),
             }
     out["coupled"] = coupled()
-    out["memory"] = memory()
+    out["memory"] = ring_memory()
     emit(out)
 
 
-def memory() -> dict[str, Any]:
+def ring_memory() -> dict[str, Any]:
     """Per-device compiled temp of each loss's value and gradients by the ring, B = 8 x 4096,
     d = 64, tile 128, against one device's share of the representations (its rows of both
     sides): the tile buffers are small beside the share, so the share dominates."""
@@ -99,7 +99,7 @@ def memory() -> dict[str, Any]:
                              out_specs=P())
         compiled = jax.jit(jax.value_and_grad(ring, argnums=(0, 1, 2, 3))).lower(
             a, a, s, t).compile()
-        out[name] = compiled.memory_analysis().temp_size_in_bytes
+        out[name] = memory(compiled).temp_size_in_bytes
     return out
 
 
