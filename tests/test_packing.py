@@ -344,6 +344,11 @@ def test_epoch_steps_are_packs_rows_cut_into_steps(rows, length, m, pad_id, data
     seqs = random_sequences(np.random.default_rng(len(lengths)), lengths)
     steps = list(pack_epoch(seqs, rows=rows, length=length, max_microbatches=m, pad_id=pad_id))
     whole = pack(seqs, rows=rows, length=length, pad_id=pad_id)
+    if pad_id == 0:  # the documented default of both: the same rows without pad_id=
+        for got, want in zip(pack_epoch(seqs, rows=rows, length=length, max_microbatches=m),
+                             steps, strict=True):
+            np.testing.assert_array_equal(got.tokens, want.tokens)
+        np.testing.assert_array_equal(pack(seqs, rows=rows, length=length).tokens, whole.tokens)
     assert len(steps) == -(-whole.num_microbatches // m)
     if not steps:
         return
@@ -541,15 +546,18 @@ def test_attention_mask_definition():
                 assert mask[m, r, q, k] == expected
 
 
+@pytest.mark.parametrize("corpus", ["zipf", "one-token"])
 @pytest.mark.parametrize("length", [16, 15])  # rows of odd length too
-def test_token_and_sequence_mean_match_float64(length):
+def test_token_and_sequence_mean_match_float64(length, corpus):
     """Against float64 NumPy. Error bound: the losses are positive, so a float32 sum of n
     terms is within (n - 1) eps32 of the exact sum, relatively; a division adds eps32. The
     token mean sums N = all real tokens: (N + 1) eps32. The sequence mean sums at most
     ``length`` terms per sequence, divides, then sums S sequence means and divides:
-    (length + S + 2) eps32."""
+    (length + S + 2) eps32. Corpora: Zipf lengths, and sequences of one token (rows holding
+    ``length`` sequences, the most a row can, beside rows of padding)."""
     rng = np.random.default_rng(11)
-    packed = pack(random_sequences(rng, zipf_lengths(rng, 40, length)), rows=3, length=length)
+    lengths = zipf_lengths(rng, 40, length) if corpus == "zipf" else [1] * (3 * length + 5)
+    packed = pack(random_sequences(rng, lengths), rows=3, length=length)
     seg = packed.segment_ids
     loss = rng.exponential(size=seg.shape).astype(np.float32)
     loss[seg == 0] = np.nan  # padding values must not leak in
@@ -561,7 +569,7 @@ def test_token_and_sequence_mean_match_float64(length):
     means = [np.mean(loss[m, r][seg[m, r] == s], dtype=np.float64)
              for m, r in np.ndindex(seg.shape[:2]) for s in np.unique(seg[m, r]) if s > 0]
     sv, sw = sequence_mean(loss, seg)
-    assert float(sw) == len(means) == 40
+    assert float(sw) == len(means) == len(lengths)
     exact = np.mean(means)
     assert abs(float(sv) - exact) <= (length + len(means) + 2) * EPS32 * exact
     # per micro-batch, combined with the weights: the same (the leading axes count as rows)

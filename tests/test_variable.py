@@ -144,7 +144,7 @@ def test_microbatches_helper_pads_the_last_short_batch():
         jaxaccum.microbatches(x, microbatch_size=3, max_microbatches=4)
     # every leaf is per example: leaves of different lengths (in either order) or a scalar
     # leaf are refused, whichever leaf comes first
-    for bad in ((x, x[:8]), (x[:8], x), (x, np.float32(1.0))):
+    for bad in ((x, x[:8]), (x[:8], x), (x, np.float32(1.0)), np.float32(1.0)):
         with refuses(ValueError, match=r"jaxaccum.microbatches: every leaf of batch must have "
                                        r"the same leading axis .* got leaves of shapes"):
             jaxaccum.microbatches(bad, microbatch_size=2, max_microbatches=8)

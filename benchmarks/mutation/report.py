@@ -29,8 +29,10 @@ def key(diff: str) -> tuple[str, ...]:
     changed lines, without context or headers."""
     lines = (diff or "").splitlines()
     path = next((line[6:] for line in lines if line.startswith("+++ b/")), "")
+    # (blank changed lines left out: cosmic-ray's diff of a file's last line also shows its
+    # final newline as changed, git's does not)
     changed = [line.rstrip() for line in lines
-               if line[:1] in "+-" and not line.startswith(("+++", "---"))]
+               if line[:1] in "+-" and not line.startswith(("+++", "---")) and line[1:].strip()]
     return (path, *changed)
 
 
@@ -40,7 +42,8 @@ def judged_equivalent(path: str | None) -> dict[tuple[str, ...], str]:
     every session that makes the same mutant of the same code."""
     if not path:
         return {}
-    return {(e["module"], *e["changed"]): e["why"] for e in json.load(open(path))}
+    return {(e["module"], *(c for c in e["changed"] if c[1:].strip())): e["why"]
+            for e in json.load(open(path))}
 
 
 def load(session: str, log: str) -> list[dict[str, Any]]:
@@ -81,17 +84,28 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results/mutation.json")
     parser.add_argument("--equivalent", default=None)
     parser.add_argument("--commit", default=None)
+    parser.add_argument("--older", nargs=3, action="append", default=[],
+                        metavar=("SESSION", "LOG", "COMMIT"),
+                        help="a run at an earlier commit whose modules count only where the "
+                             "main pairs ran none (modules unchanged since, with their tests)")
     args = parser.parse_args()
     mutants: list[dict[str, Any]] = []
     for session, log in zip(args.pairs[::2], args.pairs[1::2], strict=True):
         mutants += load(session, log)
+    commit = args.commit or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
+                                           text=True, check=True).stdout.strip()
+    ran = {m["module"] for m in mutants if m["verdict"] != "not run"}
+    origin = {module: commit for module in ran}
+    for session, log, older in args.older:
+        kept = [m for m in load(session, log)
+                if m["module"] not in ran and m["verdict"] != "not run"]
+        origin.update({m["module"]: older for m in kept})
+        mutants += kept
     equivalent = judged_equivalent(args.equivalent)
     for m in mutants:
         why = equivalent.get(key(m["diff"]))
         if m["verdict"] == "survived" and why:
             m["verdict"], m["why"] = "equivalent", why
-    commit = args.commit or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
-                                           text=True, check=True).stdout.strip()
     per: dict[str, Counter[str]] = defaultdict(Counter)
     for m in mutants:
         per[m["module"]][m["verdict"]] += 1
@@ -120,6 +134,7 @@ def main() -> None:
         "kill": "an assertion failed in any test of the module's selection (verdict.py); "
                 "crashed = other exceptions only; stillborn = `mypy jaxaccum` (run by CI) "
                 "rejects the mutant",
+        "modules_measured_at": dict(sorted(origin.items())),
         "total": rates(total),
         "modules": summary,
         "mutants": sorted(mutants, key=lambda m: (m["module"], m["line"], m["col"])),
