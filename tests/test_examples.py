@@ -32,11 +32,13 @@ def tfds_data_dir(tmp_path_factory):
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.stem for p in EXAMPLES])
-def test_example_runs_with_smoke(path, tfds_data_dir):
+def test_example_runs_with_smoke(path, tfds_data_dir, request):
     # JAXACCUM_MNIST_DIR (set by conftest if missing) passes through; TFDS_DATA_DIR is the
     # data_dir of tensorflow-datasets, the default of the MNIST programs' --data-dir.
     env = dict(os.environ, TFDS_DATA_DIR=str(tfds_data_dir))
     uses_mnist = "jaxaccum.experiment" in path.read_text()
+    if uses_mnist:  # the MNIST files: skipped, saying why, where there are none (not in CI)
+        request.getfixturevalue("mnist_files")
     prepared = (tfds_data_dir / "jaxaccum_mnist").is_dir()
     start = time.perf_counter()
     try:
