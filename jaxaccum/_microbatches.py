@@ -142,6 +142,11 @@ def unstack(
                     f"{jax.tree_util.keystr(path)} has the shape {np.shape(x)}"
                 )
             sizes.add(np.shape(x)[1])
+        if not sizes:
+            raise ValueError(
+                f"{acc.entry}: Microbatches.data of argument {i} holds no arrays; give it the "
+                "batch's arrays stacked as (K, m, ...)"
+            )
         if len(sizes) > 1:
             raise ValueError(
                 f"{acc.entry}: every leaf of Microbatches.data needs the same micro-batch size m "

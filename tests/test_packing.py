@@ -488,6 +488,16 @@ def test_packed_microbatches_is_the_stack_a_runtime_count_step_takes():
         packed.microbatches("tokens", "num_microbatches")
 
 
+def test_a_2d_array_is_a_list_of_sequences():
+    """A 2-D array of token ids is its rows, one sequence each (only a 1-D array, a single
+    sequence, is refused)."""
+    rows = np.arange(1, 13).reshape(3, 4)
+    got = pack(rows, rows=1, length=8)
+    want = pack(list(rows), rows=1, length=8)
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_a_stream_state_that_is_not_one_is_refused():
     with refuses(ValueError, match=r"pack_stream: state must be a dict from "
                                    r"PackStream.get_state\(\)"):

@@ -185,6 +185,20 @@ def test_microbatches_of_an_empty_tree_count_none():
     assert mb.data == () and int(mb.count) == 0
 
 
+def test_a_stack_of_no_arrays_is_refused_and_a_long_one_runs():
+    """An empty ``Microbatches.data`` is refused with a clear error; K above CPython's small
+    integers (300) is a stack like any other: the count's micro-batches, the rest never run."""
+    fn = jaxaccum.value_and_grad(lambda w, b: jnp.sum(w), max_microbatches=4)
+    with refuses(ValueError, match=r"Microbatches.data of argument 1 holds no arrays"):
+        fn(jnp.ones(2), jaxaccum.Microbatches((), 2))
+    k = 300
+    x = np.arange(k * 2, dtype=np.float32).reshape(k, 1, 2)
+    fn = jaxaccum.value_and_grad(lambda w, b: jnp.mean(b @ w), max_microbatches=k)
+    value, grad = fn(jnp.ones(2), jaxaccum.Microbatches(x, 3))
+    np.testing.assert_allclose(float(value), x[:3].sum() / 3, rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(grad), x[:3, 0].mean(0), rtol=1e-6)
+
+
 def test_stacks_with_different_microbatch_sizes_are_refused():
     params = mlp_params(jax.random.key(5))
     x, y = stack_data()
