@@ -96,9 +96,9 @@ def main() -> None:
                                            text=True, check=True).stdout.strip()
     ran = {m["module"] for m in mutants if m["verdict"] != "not run"}
     origin = {module: commit for module in ran}
-    for session, log, older in args.older:
-        kept = [m for m in load(session, log)
-                if m["module"] not in ran and m["verdict"] != "not run"]
+    for session, log, older in args.older:  # the newest first; shards of one commit together
+        kept = [m for m in load(session, log) if m["verdict"] != "not run"
+                and m["module"] not in ran and origin.get(m["module"], older) == older]
         origin.update({m["module"]: older for m in kept})
         mutants += kept
     equivalent = judged_equivalent(args.equivalent)
