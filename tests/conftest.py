@@ -219,7 +219,7 @@ def mnist_files() -> pathlib.Path:
 
 
 @pytest.fixture(scope="session")
-def mnist(tmp_path_factory):
+def mnist(tmp_path_factory, request):
     """Real MNIST: from ``$JAXACCUM_MNIST_DIR`` (prepared once per session in a temporary
     data_dir), else from tensorflow-datasets' own cache or download."""
     import tensorflow_datasets as tfds
@@ -228,10 +228,8 @@ def mnist(tmp_path_factory):
 
     tfds.disable_progress_bar()
     if os.environ.get("JAXACCUM_MNIST_DIR"):
-        manual = os.environ["JAXACCUM_MNIST_DIR"]
-        if not pathlib.Path(manual).is_dir():
-            pytest.fail(f"JAXACCUM_MNIST_DIR={manual} is not a folder")
-        return gist.Mnist.load(str(tmp_path_factory.mktemp("tfds")), manual)
+        manual = request.getfixturevalue("mnist_files")
+        return gist.Mnist.load(str(tmp_path_factory.mktemp("tfds")), str(manual))
     try:
         return gist.Mnist.load()
     except data.MnistDownloadError as e:
