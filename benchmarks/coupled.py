@@ -28,6 +28,7 @@ coupled.png.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 from typing import Any
@@ -178,12 +179,34 @@ def plot(results: dict[str, Any]) -> None:
     fig.savefig(result_path("coupled", "png"), dpi=110)
 
 
+def table(results: dict[str, Any]) -> str:
+    """The guide's table (docs/guides/coupled.md) from a run's results: time as a ratio to the
+    full batch in the same rounds, compiled temp in MiB."""
+    names = {"jaxaccum.coupled_value_and_grad": "coupled", "coupled, tiled loss": "tiled",
+             "plain accumulation": "plain"}
+    head = ["k", "full batch ms"] + [f"{n} (x full)" for n in names.values()] + [
+        "full temp MiB"] + [f"{n} temp MiB" for n in names.values()]
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for k, row in results["by_k"].items():
+        full = row["full batch"]
+        cells = [k, f"{full['ms']:.1f}"]
+        cells += [f"{row[n]['ms']:.1f} ({row[n]['ratio_to_full']:.2f}x)" for n in names]
+        cells += [f"{row[n]['temp_bytes'] / 2**20:.2f}" for n in ("full batch", *names)]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ks", nargs="+", type=int, default=[1, 2, 4, 8, 16, 32, 64])
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--no-big", action="store_true", help="skip the B = 65,536 run")
+    parser.add_argument("--table", action="store_true",
+                        help="print the guide's table from the committed results; run nothing")
     args = parser.parse_args()
+    if args.table:
+        print(table(json.loads(result_path("coupled", "json").read_text())), end="")
+        return
     rng = np.random.default_rng(0)
     params = {"img": tower(rng), "txt": tower(rng), "log_t": jnp.asarray(2.0)}
     x = jnp.asarray(rng.normal(size=(B, D)), jnp.float32)
@@ -217,6 +240,7 @@ def main() -> None:
         results["big"] = big()
         print("big:", results["big"], flush=True)
     print(f"wrote {save('coupled', results)}")
+    print(table(results), end="")
     plot(results)
 
 

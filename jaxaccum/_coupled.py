@@ -33,7 +33,6 @@ from jaxaccum import (
     _pipeline,
     _placement,
     _train_step,
-    _validation,
     _value_and_grad,
 )
 from jaxaccum._records import Result, step_info
@@ -156,8 +155,9 @@ def _coupled(entry: str, encode: Callable[..., Any], loss: Callable[..., Any],
              options: dict[str, Any]) -> tuple[_options.Options, Callable[..., Result]]:
     """The options of a coupled loss, parsed once, and its ``(params, batch, *rest) ->
     Result``: a forward pass for the representations, the loss and its cotangents on the
-    whole batch, and a replay pass pulling each micro-batch's slice back (weighted by its
-    size: the surrogate's gradient is ``size / m`` times the micro-batch's share)."""
+    whole batch, and a replay pass pulling each micro-batch's slice back: the gradient of the
+    sum over micro-batches of ``<encode(params, micro-batch), its cotangents>``, a sum that is
+    never divided, so no gradient-sized buffer follows the loop."""
     _refuse(entry, options)
     has_aux = options.get("has_aux", False)
     if not isinstance(has_aux, bool):
@@ -166,27 +166,25 @@ def _coupled(entry: str, encode: Callable[..., Any], loss: Callable[..., Any],
             f"batch and returned as it is); got {has_aux!r}"
         )
     opts = _options.parse(entry, options)
-    pullback = _arguments.make(entry, encode, dataclasses.replace(opts, has_aux=False,
-                                                                  weighted=True))
+    pullback = dataclasses.replace(_arguments.make(entry, encode, dataclasses.replace(
+        opts, has_aux=False, weighted=True)), divide_later=True)
     forward = _forward(entry, encode, opts, "concat")
 
     def result(params: Any, batch: Any, *rest: Any) -> Result:
         reps = forward(params, batch, *rest)
         value, (direct, cotangents) = jax.value_and_grad(loss, argnums=(0, 1), has_aux=has_aux)(
             params, reps, batch, *rest)
-        size = _validation.leading_batch_size((batch,), (0,), entry)
 
         def surrogate(p: Any, both: Any, *r: Any) -> tuple[jax.Array, jax.Array]:
-            micro, cot = both  # <encode(p, micro), its cotangent>, scaled for the mean
+            micro, cot = both  # <encode(p, micro), its cotangent>, weight 1: summed
             z = encode(p, micro, *r)
-            dot = sum(jnp.sum(a * b) for a, b in zip(jax.tree.leaves(z), jax.tree.leaves(cot),
-                                                     strict=True))
-            m = jax.tree.leaves(micro)[0].shape[0]
-            return dot * (size / m), jnp.asarray(m, jnp.float32)
+            dot = sum((jnp.sum(a * b) for a, b in zip(jax.tree.leaves(z), jax.tree.leaves(cot),
+                                                      strict=True)), jnp.zeros(()))
+            return dot, jnp.ones((), jnp.float32)
 
         pull = _value_and_grad.call(pullback.with_fun(surrogate), (params, (batch, cotangents),
                                                                    *rest))
-        grads = jax.tree.map(jnp.add, direct, pull.grads)
+        grads = jax.tree.map(lambda d, g: (d + g).astype(d.dtype), direct, pull.grads)
         value, aux = value if has_aux else (value, None)
         count = pull.num_microbatches
         return Result(value, grads, aux, jnp.asarray(count, jnp.float32),

@@ -10,6 +10,8 @@ public name, and the Python examples of README.md and docs/ run.
   examples/README.md is wider than the site's content column shows (80 characters).
 - ``test_benchmarks_open_with_the_summary``: the Benchmarks page shows exactly what
   ``benchmarks/summary.py`` prints from the committed ``peers.json``.
+- ``test_coupled_guide_shows_the_committed_run``: the coupled losses guide's table is
+  ``python benchmarks/coupled.py --table`` on the committed ``coupled.json``.
 - ``test_python_blocks_run``: every ```` ```python ```` block of README.md and of each
   ``docs/**/*.md`` page, in order, in one namespace per page, in a fresh interpreter per page
   (8 host CPU devices when the page builds a mesh). A block whose previous non-blank line is
@@ -229,3 +231,17 @@ def test_benchmarks_open_with_the_summary() -> None:
     assert shown == summary.summary(peers), (
         "docs/benchmarks/index.md's summary differs from `python benchmarks/summary.py`: "
         "paste its output between the summary markers")
+
+
+def test_coupled_guide_shows_the_committed_run() -> None:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import coupled
+    finally:
+        sys.path.pop(0)
+    results = json.loads((ROOT / "benchmarks" / "results" / "coupled.json").read_text())
+    page = (ROOT / "docs" / "guides" / "coupled.md").read_text(encoding="utf-8")
+    shown = page.split("<!-- coupled:start -->\n")[1].split("<!-- coupled:end -->")[0]
+    assert shown == coupled.table(results), (
+        "docs/guides/coupled.md's table differs from `python benchmarks/coupled.py --table`: "
+        "paste its output between the coupled markers")
