@@ -40,10 +40,12 @@ def split(acc: Accumulation, args: tuple[Any, ...], k: int) -> tuple[Any, ...]:
 
 
 def take(acc: Accumulation, views: tuple[Any, ...], i: Any) -> tuple[Any, ...]:
-    """Micro-batch ``i`` of :func:`split`'s views, gathered inside the loop."""
+    """Micro-batch ``i`` of :func:`split`'s views, gathered inside the loop (``0 <= i < k``:
+    no index wrapped around from the end)."""
     axis = acc.microbatch_axis
     return jax.tree.map(
-        lambda v: jax.lax.dynamic_index_in_dim(v, i, axis=axis, keepdims=False), views)
+        lambda v: jax.lax.dynamic_index_in_dim(v, i, axis=axis, keepdims=False,
+                                               allow_negative_indices=False), views)
 
 
 def shapes(acc: Accumulation, args: tuple[Any, ...], views: tuple[Any, ...]) -> Shapes:
@@ -189,8 +191,14 @@ def accumulate(
     if k == 1:
         sums, ys = body(start, 0)
         return sums, jax.tree.map(lambda y: jnp.expand_dims(y, 0), ys)
-    return jax.lax.scan(  # type: ignore[no-any-return]
-        body, start, jnp.arange(k), unroll=acc.options.unroll)
+
+    def counted(state: tuple[Sums, jax.Array], _: None) -> tuple[tuple[Sums, jax.Array], Any]:
+        sums, ys = body(state[0], state[1])  # the index is the loop's own counter
+        return (sums, state[1] + 1), ys
+
+    (sums, _), ys = jax.lax.scan(counted, (start, jnp.zeros((), jnp.int32)), None, length=k,
+                                 unroll=acc.options.unroll)
+    return sums, ys
 
 
 # --- finalize -----------------------------------------------------------------------------------
