@@ -5,10 +5,11 @@ per method, on the same batch:
 
 - ``full``: one big-batch step, the reference for the time ratios;
 - ``jaxaccum``: ``jaxaccum.train_step`` (``weighted=True`` for the LM, weight: valid tokens);
-- ``python_loop``: the loop a user writes first: k calls of a jitted ``jax.grad`` on
+- ``python_loop``: the loop a user writes first: k calls of a jitted ``jax.value_and_grad`` on
   contiguous micro-batches, a Python-side tree sum, one jitted update of the mean;
 - ``optax_multisteps``: ``optax.MultiSteps``, one jitted call per (contiguous) micro-batch;
-- ``optax_microbatching``: ``optax.microbatching.microbatch`` (MEAN) around ``jax.grad``;
+- ``optax_microbatching``: ``optax.microbatching.microbatch`` (MEAN) around
+  ``jax.value_and_grad``;
 - ``maxtext``: MaxText's gradient accumulation, re-implemented (``maxtext_value_and_grad``);
 - ``levanter``: Levanter's ``microbatched``, re-implemented (``levanter_value_and_grad``).
 
@@ -43,7 +44,9 @@ whole batch: ``full``, ``jaxaccum`` and ``maxtext`` compute it; ``levanter``,
 (strided) average micro-batch token means, their own objective, and their error is given
 against both.
 
-Per model, k and method: the median step time (methods interleaved round by round, ratios to
+Every step returns its loss (as jaxaccum's, MaxText's and Levanter's train steps do: a loss
+nobody returns is a computation XLA drops). Per model, k and method: the median step time
+(methods interleaved round by round, each round in its own seeded random order, ratios to
 ``full`` within the same rounds); ``temp_size_in_bytes`` of the compiled program (params and
 optimizer state donated; MultiSteps: its per-micro-batch program; the Python loop: its
 gradient program, one micro-batch) and the optimizer state's
@@ -65,6 +68,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import random
 import statistics
 import time
 import types
@@ -279,14 +283,15 @@ class PythonLoop:
 
     def __init__(self, mean_loss: Callable[..., Any], apply: Callable[..., Any],
                  donated: tuple[int, ...]) -> None:
-        self.grad = jax.jit(jax.grad(mean_loss))
+        self.grad = jax.jit(jax.value_and_grad(mean_loss))
         self.update = jax.jit(apply, donate_argnums=donated)
 
     def __call__(self, params: Any, state: Any, micros: list[Any]) -> Any:
         total = self.grad(params, micros[0])
         for micro in micros[1:]:
             total = jax.tree.map(jnp.add, total, self.grad(params, micro))
-        return self.update(params, state, jax.tree.map(lambda g: g / len(micros), total))
+        loss, grads = jax.tree.map(lambda g: g / len(micros), total)
+        return (*self.update(params, state, grads), loss)
 
     def lower(self, params: Any, state: Any, micros: list[Any]) -> Any:
         return self.grad.lower(params, micros[0])
@@ -295,12 +300,17 @@ class PythonLoop:
 def build(case: Case, method: str, k: int, optimizer: Any, donate: bool) -> Program:
     apply, donated = apply_update(optimizer), (0, 1) if donate else ()
 
-    def single(grads_of: Callable[..., Any]) -> Program:
-        step = lambda p, s, b: apply(p, s, grads_of(p, b))  # noqa: E731
+    # every step returns the loss it computed, as jaxaccum's and MaxText's and Levanter's
+    # train steps report it (a loss nobody returns is a computation XLA drops)
+    def single(value_and_grads_of: Callable[..., Any]) -> Program:
+        def step(p: Any, s: Any, b: Any) -> Any:
+            loss, grads = value_and_grads_of(p, b)
+            return (*apply(p, s, grads), loss)
+
         return Program(jax.jit(step, donate_argnums=donated), optimizer)
 
     if method == "full":
-        return single(jax.grad(case.mean_loss))
+        return single(jax.value_and_grad(case.mean_loss))
     if method == "jaxaccum":
         step = jaxaccum.train_step(
             case.loss, optimizer, num_microbatches=k, weighted=case.weighted, donate=donate
@@ -311,24 +321,25 @@ def build(case: Case, method: str, k: int, optimizer: Any, donate: bool) -> Prog
     if method == "optax_multisteps":
         multi = optax.MultiSteps(optimizer, k).gradient_transformation()
         apply_multi = apply_update(multi)
-        step = lambda p, s, b: apply_multi(p, s, jax.grad(case.mean_loss)(p, b))  # noqa: E731
-        return Program(jax.jit(step, donate_argnums=donated), multi, per_call=True)
+        def multi_step(p: Any, s: Any, b: Any) -> Any:
+            loss, grads = jax.value_and_grad(case.mean_loss)(p, b)
+            return (*apply_multi(p, s, grads), loss)
+
+        return Program(jax.jit(multi_step, donate_argnums=donated), multi, per_call=True)
     if method == "optax_microbatching":
         mb = optax.microbatching
         return single(
             mb.microbatch(
-                jax.grad(case.mean_loss),
+                jax.value_and_grad(case.mean_loss),
                 argnums=1,
                 microbatch_size=case.size // k,
                 accumulator=mb.AccumulationType.MEAN,
             )
         )
     if method == "maxtext":
-        vg = maxtext_value_and_grad(case.sums, k)
-        return single(lambda p, b: vg(p, b)[1])
+        return single(maxtext_value_and_grad(case.sums, k))
     if method == "levanter":
-        vg = levanter_value_and_grad(case.mean_loss, k)
-        return single(lambda p, b: vg(p, b)[1])
+        return single(levanter_value_and_grad(case.mean_loss, k))
     raise ValueError(method)
 
 
@@ -453,8 +464,9 @@ def run_k(case: Case, k: int, rounds: int, refs: dict[Any, Any]) -> dict[str, An
         built.append([method, prog.jitted if prog.micro_list else compiled, prog.per_call,
                       params, state, data])
     times: dict[str, list[float]] = {m: [] for m in METHODS}
-    for r in range(rounds + 1):  # round 0 warms up
-        for entry in built:
+    order = random.Random(f"{case.key}-{k}")  # each round in its own order: no method always
+    for r in range(rounds + 1):  # runs after the same one; round 0 warms up
+        for entry in order.sample(built, len(built)):
             method, fn, per_call, params, state, data = entry
             start = time.perf_counter()
             out = jax.block_until_ready(run_step(fn, per_call, params, state, data))
