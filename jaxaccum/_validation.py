@@ -28,17 +28,27 @@ def positive_int(value: Any, name: str, entry: str | None = None) -> int:
     return int(value)
 
 
+def _coupled(entry: str) -> bool:
+    """The coupled-loss entry points take neither weights nor a runtime count: their messages
+    must not suggest them."""
+    return "coupled_" in entry
+
+
 def exactly_one_count(
     num_microbatches: Any, microbatch_size: Any, entry: str, max_microbatches: Any = None
 ) -> None:
     """Checks that exactly one of the micro-batch counts is given, and that it is valid."""
     given = [x is not None for x in (num_microbatches, microbatch_size, max_microbatches)]
     if sum(given) != 1:
+        runtime = "" if _coupled(entry) else (
+            " (or max_microbatches, for a count known at run time)")
+        got = f"num_microbatches={num_microbatches!r}, microbatch_size={microbatch_size!r}"
+        if not _coupled(entry):
+            got += f", max_microbatches={max_microbatches!r}"
         raise ValueError(
-            f"{entry}: exactly one of num_microbatches and microbatch_size (or "
-            "max_microbatches, for a count known at run time) must be given; got "
-            f"num_microbatches={num_microbatches!r}, microbatch_size={microbatch_size!r}, "
-            f"max_microbatches={max_microbatches!r}"
+            f"{entry}: exactly one of num_microbatches and microbatch_size{runtime} must be "
+            f"given; got {got}; pass one of them (num_microbatches=4 splits the batch into 4 "
+            "micro-batches)"
         )
     if num_microbatches is not None:
         positive_int(num_microbatches, "num_microbatches", entry)
@@ -66,18 +76,20 @@ def resolve_num_microbatches(
         if devices > 1
         else f"the batch size {batch_size}"
     )
+    pad = ("pad the batch and mask the padded examples inside the loss" if _coupled(entry)
+           else "pad the batch and use weighted=True")
     if num_microbatches is not None:
         if batch_size % num_microbatches:
             raise ValueError(
                 f"{entry}: num_microbatches={num_microbatches} does not divide {where}; choose "
-                f"a divisor of {batch_size} or pad the batch and use weighted=True"
+                f"a divisor of {batch_size} or {pad}"
             )
         return num_microbatches
     assert microbatch_size is not None
     if batch_size % microbatch_size:
         raise ValueError(
             f"{entry}: microbatch_size={microbatch_size} does not divide {where}; choose a "
-            f"divisor of {batch_size} or pad the batch and use weighted=True"
+            f"divisor of {batch_size} or {pad}"
         )
     return batch_size // microbatch_size
 

@@ -98,6 +98,32 @@ def _pair(entry: str, a: ArrayLike, b: ArrayLike) -> tuple[jax.Array, jax.Array]
     return a, b
 
 
+def _scalar(entry: str, name: str, value: ArrayLike) -> jax.Array:
+    x = jnp.asarray(value, jnp.float32)
+    if x.ndim:
+        raise ValueError(
+            f"{entry}: {name} must be a scalar (one learnable value for every pair); got shape "
+            f"{tuple(x.shape)}; pass a 0-d array, e.g. jnp.asarray(jnp.log(10.0))"
+        )
+    return x
+
+
+def _check_block(entry: str, name: str, fn: Callable[..., Any], params: Any, a: Any, b: Any,
+                 tile: int, *extra: Any) -> None:
+    """``fn(params, a tile, b tile, *extra)`` must give one float per pair of the tile."""
+    ta, tb = min(tile, _rows(entry, "a", a)), min(tile, _rows(entry, "b", b))
+    head = lambda tree, n: jax.tree.map(lambda x: x[:n], tree)  # noqa: E731
+    out = jax.eval_shape(fn, params, head(a, ta), head(b, tb), *(e[:ta, :tb] for e in extra))
+    shape = getattr(out, "shape", None)
+    if shape != (ta, tb):
+        raise ValueError(
+            f"{entry}: {name} must return one value per pair of a tile, shape (len(x), len(y)) "
+            f"= ({ta}, {tb}) for tiles of {ta} and {tb} examples; got "
+            f"{shape if shape is not None else type(out).__name__}; reduce over every axis "
+            "but the two example axes"
+        )
+
+
 def _dot(a: jax.Array, b: jax.Array) -> jax.Array:
     return jnp.einsum("id,jd->ij", a, b, preferred_element_type=jnp.float32)
 
@@ -127,7 +153,8 @@ def clip_loss(a: ArrayLike, b: ArrayLike, logit_scale: ArrayLike, *, tile: int =
       A float32 scalar.
 
     Raises:
-      ValueError: ``a`` and ``b`` not ``(B, d)`` of one shape, a bad ``mask`` or ``tile``.
+      ValueError: ``a`` and ``b`` not ``(B, d)`` of one shape, a bad ``mask`` or ``tile``,
+        a ``logit_scale`` that is not a scalar.
 
     Examples:
       >>> import jax, jax.numpy as jnp, optax
@@ -144,7 +171,7 @@ def clip_loss(a: ArrayLike, b: ArrayLike, logit_scale: ArrayLike, *, tile: int =
     a, b = _pair(entry, a, b)
     tile = _check_tile(entry, tile)
     w = _weights(entry, "mask", mask, a.shape[0])
-    scale = jnp.asarray(logit_scale, jnp.float32)
+    scale = _scalar(entry, "logit_scale", logit_scale)
 
     def score(log_scale: jax.Array, x: jax.Array, y: jax.Array) -> jax.Array:
         return jnp.exp(log_scale) * _dot(x, y)
@@ -190,7 +217,8 @@ def siglip_loss(a: ArrayLike, b: ArrayLike, logit_scale: ArrayLike, logit_bias: 
       A float32 scalar.
 
     Raises:
-      ValueError: ``a`` and ``b`` not ``(B, d)`` of one shape, a bad ``mask`` or ``tile``.
+      ValueError: ``a`` and ``b`` not ``(B, d)`` of one shape, a bad ``mask`` or ``tile``,
+        a ``logit_scale`` or ``logit_bias`` that is not a scalar.
 
     Examples:
       >>> import jax, jax.numpy as jnp
@@ -206,7 +234,8 @@ def siglip_loss(a: ArrayLike, b: ArrayLike, logit_scale: ArrayLike, logit_bias: 
     a, b = _pair(entry, a, b)
     tile = _check_tile(entry, tile)
     w = _weights(entry, "mask", mask, a.shape[0])
-    params = (jnp.asarray(logit_scale, jnp.float32), jnp.asarray(logit_bias, jnp.float32))
+    params = (_scalar(entry, "logit_scale", logit_scale),
+              _scalar(entry, "logit_bias", logit_bias))
 
     def term(p: tuple[jax.Array, jax.Array], x: jax.Array, y: jax.Array,
              positive: jax.Array) -> jax.Array:
@@ -240,7 +269,7 @@ def pairwise_logsumexp(score: Callable[[Any, Any, Any], jax.Array], params: Any,
 
     Raises:
       ValueError: leaves of ``a`` or ``b`` without one leading size, a bad ``mask`` or
-        ``tile``.
+        ``tile``, a ``score`` that does not give one value per pair of a tile.
 
     Examples:
       >>> import jax, jax.numpy as jnp
@@ -255,6 +284,7 @@ def pairwise_logsumexp(score: Callable[[Any, Any, Any], jax.Array], params: Any,
     entry = "jaxaccum.contrastive.pairwise_logsumexp"
     tile = _check_tile(entry, tile)
     n_a, n_b = _rows(entry, "a", a), _rows(entry, "b", b)
+    _check_block(entry, "score", score, params, a, b, tile)
     return _tiles.logsumexp(score, tile, False, params, a, b, jnp.ones((n_a,), jnp.float32),
                             _weights(entry, "mask", mask, n_b))[0]
 
@@ -279,7 +309,8 @@ def pairwise_sum(term: Callable[[Any, Any, Any, jax.Array], jax.Array], params: 
       A float32 scalar.
 
     Raises:
-      ValueError: leaves of ``a`` or ``b`` without one leading size, a bad mask or ``tile``.
+      ValueError: leaves of ``a`` or ``b`` without one leading size, a bad mask or ``tile``,
+        a ``term`` that does not give one value per pair of a tile.
 
     Examples:
       >>> import jax.numpy as jnp
@@ -291,5 +322,7 @@ def pairwise_sum(term: Callable[[Any, Any, Any, jax.Array], jax.Array], params: 
     entry = "jaxaccum.contrastive.pairwise_sum"
     tile = _check_tile(entry, tile)
     n_a, n_b = _rows(entry, "a", a), _rows(entry, "b", b)
+    _check_block(entry, "term", term, params, a, b, tile,
+                 jnp.eye(min(tile, n_a), min(tile, n_b), dtype=bool))
     return _tiles.total(term, tile, params, a, b, _weights(entry, "mask_a", mask_a, n_a),
                         _weights(entry, "mask_b", mask_b, n_b))

@@ -252,3 +252,14 @@ def test_bad_input_names_the_function_and_the_fix():
     with pytest.raises(ValueError, match=r"pairwise_sum: a must be an array .* one size for "
                                          r"every leaf"):
         pairwise_sum(lambda p, x, y, pos: x @ y.T, None, {"x": a, "y": jnp.ones((3, 3))}, a)
+    with pytest.raises(ValueError, match=r"clip_loss: logit_scale must be a scalar .* got shape "
+                                         r"\(3,\); pass a 0-d array"):
+        clip_loss(a, a, jnp.zeros(3))
+    with pytest.raises(ValueError, match=r"siglip_loss: logit_bias must be a scalar"):
+        siglip_loss(a, a, 0.0, jnp.zeros((1,)))
+    with pytest.raises(ValueError, match=r"pairwise_logsumexp: score must return one value per "
+                                         r"pair of a tile, shape .* = \(2, 2\) .* got \(2, 2, 3\)"):
+        pairwise_logsumexp(lambda p, x, y: x[:, None, :] * y[None, :, :], None, a, a, tile=2)
+    with pytest.raises(ValueError, match=r"pairwise_sum: term must return one value per pair "
+                                         r"of a tile, shape .* = \(4, 4\) .* got \(\)"):
+        pairwise_sum(lambda p, x, y, pos: jnp.sum(x @ y.T), None, a, a)

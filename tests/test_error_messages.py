@@ -96,6 +96,29 @@ def test_coupled_options_it_cannot_honour_name_the_one_that_can():
         assert FIX.search(message.split(":", 1)[1]), message
 
 
+@pytest.mark.parametrize("entry", ["jaxaccum.coupled_value_and_grad",
+                                   "jaxaccum.coupled_train_step"])
+@pytest.mark.parametrize("counts", [{"num_microbatches": 3}, {"microbatch_size": 3}, {}])
+def test_coupled_count_errors_suggest_only_options_it_takes(entry, counts):
+    """A bad count on a coupled entry point: the fix it gives never names an option that entry
+    point refuses (jaxaccum._coupled.NOT_COUPLED)."""
+    from jaxaccum._coupled import NOT_COUPLED
+
+    encode = lambda p, b: b[0] @ p["w"]  # noqa: E731
+    coupled_loss = lambda p, z, b: jnp.mean(z ** 2)  # noqa: E731
+    with pytest.raises(ValueError) as info:
+        if entry.endswith("value_and_grad"):
+            jaxaccum.coupled_value_and_grad(encode, coupled_loss, **counts)(PARAMS, BATCH)
+        else:
+            opt = optax.sgd(0.1)
+            jaxaccum.coupled_train_step(encode, coupled_loss, opt, donate=False, **counts)(
+                PARAMS, opt.init(PARAMS), BATCH)
+    message = str(info.value)
+    assert message.startswith(entry), message
+    assert FIX.search(message.split(":", 1)[1]), message
+    assert not [name for name in NOT_COUPLED if name in message], message
+
+
 def test_microbatches_and_weights_say_what_to_do():
     with pytest.raises(ValueError) as info:
         jaxaccum.microbatches((np.ones((8, 3)), np.ones((6, 1))), microbatch_size=2,
