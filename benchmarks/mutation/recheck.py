@@ -23,6 +23,7 @@ def main() -> None:
     parser.add_argument("session")
     parser.add_argument("log")
     parser.add_argument("--verdicts", default="survived,crashed")
+    parser.add_argument("--modules", default="", help="comma-separated paths (default: all)")
     parser.add_argument("--skip", default=None, help="equivalent.json: the mutants judged "
                         "equivalent, not rerun")
     args = parser.parse_args()
@@ -34,8 +35,9 @@ def main() -> None:
             latest[key(v["diff"])] = v["verdict"]
     db = sqlite3.connect(args.session)
     skip = judged_equivalent(args.skip)
+    modules = set(filter(None, args.modules.split(",")))
     diffs = [d for (d,) in db.execute("select diff from work_results where diff is not null")
-             if key(d) not in skip]
+             if key(d) not in skip and (not modules or key(d)[0] in modules)]
     env = {**os.environ, "JAXACCUM_MUTATION_LOG": args.log}
     for diff in diffs:
         if latest.get(key(diff), "survived") not in wanted:

@@ -40,7 +40,7 @@ TESTS = {
     "jaxaccum/_coupled.py": [*REFERENCE, "tests/test_coupled.py", "tests/test_coupled_mesh.py"],
     "jaxaccum/_check.py": ["tests/test_check.py", "tests/test_contract.py",
                            "tests/test_coupled_mesh.py"],
-    "jaxaccum/packing.py": ["tests/test_packing.py"],
+    "jaxaccum/packing.py": ["tests/test_packing.py", "tests/test_grain.py"],
     "jaxaccum/_placement.py": [*REFERENCE, *MESH, "tests/test_guards.py",
                                "tests/test_pipeline_placement.py", "tests/test_data_parallel.py",
                                "tests/test_variable_mesh.py", "tests/test_coupled_mesh.py",
