@@ -191,14 +191,38 @@ def accumulate(
     if k == 1:
         sums, ys = body(start, 0)
         return sums, jax.tree.map(lambda y: jnp.expand_dims(y, 0), ys)
+    # "concat" leaves of strided micro-batches are written in batch order as the loop goes
+    # (micro-batch i's values at [:, i]): no transposed copy of them after the loop
+    in_order = concat_in_order(acc, out)
+    bufs: list[Any] = [None] * len(in_order)
+    if any(in_order):
+        shapes = jax.eval_shape(lambda s: body(s, 0)[1], start)
+        bufs = [jnp.broadcast_to(jnp.zeros_like(s)[:, None], (s.shape[0], k, *s.shape[1:]))
+                if keep else None for keep, s in zip(in_order, shapes, strict=True)]
 
-    def counted(state: tuple[Sums, jax.Array], _: None) -> tuple[tuple[Sums, jax.Array], Any]:
+    def counted(state: tuple[Sums, jax.Array, list[Any]], _: None) -> tuple[Any, Any]:
         sums, ys = body(state[0], state[1])  # the index is the loop's own counter
-        return (sums, state[1] + 1), ys
+        if not any(in_order):
+            return (sums, state[1] + 1, state[2]), ys
+        written = [None if b is None else jax.lax.dynamic_update_index_in_dim(b, y, state[1], 1)
+                   for b, y in zip(state[2], ys, strict=True)]
+        return (sums, state[1] + 1, written), [y if b is None else None
+                                               for b, y in zip(state[2], ys, strict=True)]
 
-    (sums, _), ys = jax.lax.scan(counted, (start, jnp.zeros((), jnp.int32)), None, length=k,
-                                 unroll=acc.options.unroll)
-    return sums, ys
+    (sums, _, bufs), ys = jax.lax.scan(counted, (start, jnp.zeros((), jnp.int32), bufs), None,
+                                       length=k, unroll=acc.options.unroll)
+    if not any(in_order):
+        return sums, ys
+    return sums, [y if b is None else b for b, y in zip(bufs, ys, strict=True)]
+
+
+def concat_in_order(acc: Accumulation, out: Shapes) -> list[bool]:
+    """Per aux leaf: a ``"concat"`` leaf of strided micro-batches in a loop of fixed length,
+    which :func:`accumulate` writes in batch order ``(m, k, ...)`` as it goes."""
+    if acc.options.aux_spec is None or acc.stacked:
+        return []
+    concat = _reductions.AUX_REDUCTIONS["concat"]
+    return [r is concat for r in out.aux_plan]
 
 
 # --- finalize -----------------------------------------------------------------------------------
@@ -215,11 +239,13 @@ def divide(acc: Accumulation, sums: Any, weight: jax.Array, like: Any) -> Any:
 
 
 def finalize(
-    acc: Accumulation, sums: Sums, ys: Any, args: tuple[Any, ...], out: Shapes, count: Any
+    acc: Accumulation, sums: Sums, ys: Any, args: tuple[Any, ...], out: Shapes, count: Any,
+    scanned: bool = False,
 ) -> tuple[jax.Array, Any, Any]:
     """Divides the (reduced) sums by the total weight once, casts the gradients to their
     arguments' dtypes, and finishes the aux leaves (``count`` micro-batches evaluated, of
-    which the skipped ones are left out of every reduced aux)."""
+    which the skipped ones are left out of every reduced aux; ``scanned``: the fixed-length
+    loop ran, which wrote :func:`concat_in_order`'s leaves in batch order)."""
     if acc.options.divides_safely:
         loss = _reductions.safe_divide(sums.loss, sums.weight)
     else:
@@ -231,9 +257,11 @@ def finalize(
         plan = out.aux_plan
         kept = count - sums.skipped  # skipped micro-batches add nothing to a reduced aux
         concat = _reductions.AUX_REDUCTIONS["concat"]
+        in_order = concat_in_order(acc, out) if scanned else []
         leaves = [y if acc.stacked and r is concat  # a stack's own layout (K, m, ...)
+                  else y.reshape((-1, *y.shape[2:])) if in_order and in_order[j]
                   else r.finalize(y if r.stacked else a, sums.weight, kept)
-                  for r, a, y in zip(plan, sums.aux, ys, strict=True)]
+                  for j, (r, a, y) in enumerate(zip(plan, sums.aux, ys, strict=True))]
         aux = jax.tree.unflatten(jax.tree.structure(out.aux), leaves)
     return loss.astype(out.loss.dtype), grads, aux
 
@@ -259,7 +287,7 @@ def per_device(
         sums = placement.reduce(acc, sums, out)
     with jax.named_scope("jaxaccum.finalize"):
         total = placement.count(k) if count is None else placement.count(1) * count
-        loss, grads, aux = finalize(acc, sums, ys, args, out, total)
+        loss, grads, aux = finalize(acc, sums, ys, args, out, total, count is None and k > 1)
     return Result(loss, grads, aux, sums.weight, sums.skipped, total, sums.carry, sums.sq_norms,
                   out.aux_plan)
 

@@ -403,14 +403,18 @@ def representation_cache(encode_fn, loss, k):
     return step
 
 
-@pytest.mark.parametrize("k", [2, 4, 8])
+@pytest.mark.parametrize("k", [2, 8, 32])
 def test_coupled_memory_is_the_representation_cache_s(k):
-    """The coupled path holds what GradCache's method holds and nothing parameter-sized more:
-    its compiled temp is at most the hand-written cache's plus one copy of the representations
-    (the two put micro-batches in different layouts). The towers' 256 x 256 layer is four
-    times the representations, so a gradient-sized buffer after the loop shows."""
+    """The coupled path holds what GradCache's method holds and nothing more: its compiled temp
+    is at most the hand-written cache's (a few scalars of bookkeeping aside), so neither a
+    gradient-sized buffer after the loop (the towers' 256 x 256 layer) nor a copy of the
+    representations (put back in batch order after the forward loop) is left. The tiled loss
+    keeps the loss's own memory small enough for either to show."""
+    from jaxaccum.contrastive import clip_loss as tiled
+
+    n, width, dim = 512, 256, 64
     keys = jax.random.split(jax.random.key(3), 4)
-    sizes = (D, 256, 256, E)
+    sizes = (D, width, width, dim)
 
     def wide(key):
         ws = jax.random.split(key, 3)
@@ -424,14 +428,16 @@ def test_coupled_memory_is_the_representation_cache_s(k):
     def enc(p, b):
         return apply(p["img"], b[0]), apply(p["txt"], b[1])
 
+    def loss(p, reps, b):
+        return tiled(*reps, p["log_t"], tile=64)
+
     params = {"img": wide(keys[0]), "txt": wide(keys[1]), "log_t": jnp.asarray(1.5)}
-    batch = (jax.random.normal(keys[2], (B, D)), jax.random.normal(keys[3], (B, D)))
+    batch = (jax.random.normal(keys[2], (n, D)), jax.random.normal(keys[3], (n, D)))
 
     def temp(fn):
         compiled = jax.jit(fn).lower(params, batch).compile()
         return compiled.memory_analysis().temp_size_in_bytes
 
-    ours = temp(jaxaccum.coupled_value_and_grad(enc, clip_loss, num_microbatches=k))
-    cache = temp(representation_cache(enc, clip_loss, k))
-    reps_bytes = 2 * B * E * 4
-    assert ours <= cache + reps_bytes, (ours, cache, reps_bytes)
+    ours = temp(jaxaccum.coupled_value_and_grad(enc, loss, num_microbatches=k))
+    cache = temp(representation_cache(enc, loss, k))
+    assert ours <= cache + 256, (ours, cache)
