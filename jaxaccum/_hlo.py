@@ -38,14 +38,20 @@ _BYTES = {"f64": 8, "s64": 8, "u64": 8, "f32": 4, "s32": 4, "u32": 4, "bf16": 2,
 _SHAPE = re.compile(r"\b(f64|s64|u64|f32|s32|u32|bf16|f16|s16|u16|s8|u8|pred)\[([\d,]*)\]")
 
 
-def _result_bytes(line: str, op: str) -> int:
-    """Bytes of the op's result shape(s): the text between '=' and the op's name."""
+def _result_shapes(line: str, op: str) -> list[tuple[str, tuple[int, ...]]]:
+    """The op's result shape(s), ``(dtype, dims)`` each: the text between '=' and its name."""
     head = line.split("=", 1)[-1].split(f" {op}", 1)[0]
+    return [(dtype, tuple(int(d) for d in dims.split(",") if d))
+            for dtype, dims in _SHAPE.findall(head)]
+
+
+def _result_bytes(line: str, op: str) -> int:
+    """Bytes of the op's result shape(s)."""
     total = 0
-    for dtype, dims in _SHAPE.findall(head):
+    for dtype, dims in _result_shapes(line, op):
         size = 1
-        for d in filter(None, dims.split(",")):
-            size *= int(d)
+        for d in dims:
+            size *= d
         total += size * _BYTES[dtype]
     return total
 
@@ -103,6 +109,17 @@ def collectives(hlo: str) -> list[tuple[str, bool, int, int]]:
             if op:
                 found.append((op, name in in_loop, _result_bytes(line, op), _group_size(line)))
     return found
+
+
+def reduced_shapes(hlo: str) -> list[tuple[bool, list[tuple[int, ...]]]]:
+    """Every reduction (all-reduce, reduce-scatter) as ``(inside a loop body, the shape of each
+    array it reduces)``: XLA combines reductions into tuples and splits them as it likes, so a
+    gradient leaf is found by its shape, not by a count of ops."""
+    comps = computations(hlo)
+    in_loop = _loop_computations(comps)
+    return [(name in in_loop, [dims for _, dims in _result_shapes(line, op)])
+            for name, lines in comps.items() for line in lines
+            for op in [_op_name(line)] if op in ("all-reduce", "reduce-scatter")]
 
 
 def gradient_reductions(

@@ -201,28 +201,28 @@ def accumulate(
                 if keep else None for keep, s in zip(in_order, shapes, strict=True)]
 
     def counted(state: tuple[Sums, jax.Array, list[Any]], _: None) -> tuple[Any, Any]:
-        sums, ys = body(state[0], state[1])  # the index is the loop's own counter
-        if not any(in_order):
-            return (sums, state[1] + 1, state[2]), ys
-        written = [None if b is None else jax.lax.dynamic_update_index_in_dim(b, y, state[1], 1)
-                   for b, y in zip(state[2], ys, strict=True)]
-        return (sums, state[1] + 1, written), [y if b is None else None
-                                               for b, y in zip(state[2], ys, strict=True)]
+        sums, i, bufs = state  # the index is the loop's own counter
+        sums, ys = body(sums, i)
+        if any(in_order):  # the in-order leaves go to their buffers, the scan stacks the rest
+            bufs = [None if b is None else jax.lax.dynamic_update_index_in_dim(b, y, i, 1)
+                    for b, y in zip(bufs, ys, strict=True)]
+            ys = [y if b is None else None for b, y in zip(bufs, ys, strict=True)]
+        return (sums, i + 1, bufs), ys
 
     (sums, _, bufs), ys = jax.lax.scan(counted, (start, jnp.zeros((), jnp.int32), bufs), None,
                                        length=k, unroll=acc.options.unroll)
-    if not any(in_order):
-        return sums, ys
-    return sums, [y if b is None else b for b, y in zip(bufs, ys, strict=True)]
+    if any(in_order):
+        ys = [y if b is None else b for b, y in zip(bufs, ys, strict=True)]
+    return sums, ys
 
 
 def concat_in_order(acc: Accumulation, out: Shapes) -> list[bool]:
     """Per aux leaf: a ``"concat"`` leaf of strided micro-batches in a loop of fixed length,
     which :func:`accumulate` writes in batch order ``(m, k, ...)`` as it goes."""
-    if acc.options.aux_spec is None or acc.stacked:
+    if acc.options.aux_spec is None:
         return []
     concat = _reductions.AUX_REDUCTIONS["concat"]
-    return [r is concat for r in out.aux_plan]
+    return [r is concat and not acc.stacked for r in out.aux_plan]
 
 
 # --- finalize -----------------------------------------------------------------------------------
@@ -257,11 +257,11 @@ def finalize(
         plan = out.aux_plan
         kept = count - sums.skipped  # skipped micro-batches add nothing to a reduced aux
         concat = _reductions.AUX_REDUCTIONS["concat"]
-        in_order = concat_in_order(acc, out) if scanned else []
+        in_order = concat_in_order(acc, out) if scanned else [False] * len(plan)
         leaves = [y if acc.stacked and r is concat  # a stack's own layout (K, m, ...)
-                  else y.reshape((-1, *y.shape[2:])) if in_order and in_order[j]
+                  else y.reshape((-1, *y.shape[2:])) if written  # (m, k, ...): batch order
                   else r.finalize(y if r.stacked else a, sums.weight, kept)
-                  for j, (r, a, y) in enumerate(zip(plan, sums.aux, ys, strict=True))]
+                  for r, written, a, y in zip(plan, in_order, sums.aux, ys, strict=True)]
         aux = jax.tree.unflatten(jax.tree.structure(out.aux), leaves)
     return loss.astype(out.loss.dtype), grads, aux
 

@@ -219,29 +219,25 @@ def test_code_blocks_fit_the_column() -> None:
     assert not wide, f"code lines wider than {CODE_WIDTH} columns (they scroll sideways): {wide}"
 
 
-def test_benchmarks_open_with_the_summary() -> None:
+def generated(page: str, marker: str, script: str, make: str, results: str) -> None:
+    """The part of ``page`` between the ``marker`` comments is what ``make`` (a function of
+    ``benchmarks/<script>.py``) prints from the committed ``benchmarks/results/<results>``."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
-        import summary
+        module = importlib.import_module(script)
     finally:
         sys.path.pop(0)
-    peers = json.loads((ROOT / "benchmarks" / "results" / "peers.json").read_text())
-    page = (ROOT / "docs" / "benchmarks" / "index.md").read_text(encoding="utf-8")
-    shown = page.split("<!-- summary:start -->\n")[1].split("<!-- summary:end -->")[0]
-    assert shown == summary.summary(peers), (
-        "docs/benchmarks/index.md's summary differs from `python benchmarks/summary.py`: "
-        "paste its output between the summary markers")
+    committed = json.loads((ROOT / "benchmarks" / "results" / results).read_text())
+    text = (ROOT / page).read_text(encoding="utf-8")
+    shown = text.split(f"<!-- {marker}:start -->\n")[1].split(f"<!-- {marker}:end -->")[0]
+    assert shown == getattr(module, make)(committed), (
+        f"{page}'s {marker} differs from what benchmarks/{script}.py prints from {results}: "
+        f"paste its output between the {marker} markers")
+
+
+def test_benchmarks_open_with_the_summary() -> None:
+    generated("docs/benchmarks/index.md", "summary", "summary", "summary", "peers.json")
 
 
 def test_coupled_guide_shows_the_committed_run() -> None:
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import coupled
-    finally:
-        sys.path.pop(0)
-    results = json.loads((ROOT / "benchmarks" / "results" / "coupled.json").read_text())
-    page = (ROOT / "docs" / "guides" / "coupled.md").read_text(encoding="utf-8")
-    shown = page.split("<!-- coupled:start -->\n")[1].split("<!-- coupled:end -->")[0]
-    assert shown == coupled.table(results), (
-        "docs/guides/coupled.md's table differs from `python benchmarks/coupled.py --table`: "
-        "paste its output between the coupled markers")
+    generated("docs/guides/coupled.md", "coupled", "coupled", "table", "coupled.json")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -12,7 +11,6 @@ import jax
 import numpy as np
 
 import jaxaccum
-from jaxaccum import _hlo
 
 # The launcher's contract with a program started as one of several processes.
 COORDINATOR = "JAXACCUM_TEST_COORDINATOR"
@@ -46,23 +44,6 @@ def hlo_text(compiled: jax.stages.Compiled) -> str:
     text = compiled.as_text()
     assert text is not None, "this backend gives no HLO text"
     return text
-
-
-def reduced_shapes(hlo: str) -> list[list[Any]]:
-    """Every reduction (all-reduce, reduce-scatter) in an HLO module's text as ``[inside a loop
-    body, [the shape of each array it reduces]]``: XLA combines reductions into tuples and
-    splits them as it likes, so a gradient leaf is found by its shape, not by a count of ops."""
-    comps = _hlo.computations(hlo)
-    in_loop = _hlo._loop_computations(comps)
-    found = []
-    for name, lines in comps.items():
-        for line in lines:
-            match = re.search(r"=\s*(.*?)\s(?:all-reduce|reduce-scatter)(?:-start)?\(", line)
-            if match:
-                shapes = [[int(d) for d in dims.split(",") if d]
-                          for dims in re.findall(r"\b[a-z]+\d*\[([\d,]*)\]", match.group(1))]
-                found.append([name in in_loop, shapes])
-    return found
 
 
 def memory(compiled: jax.stages.Compiled) -> Any:

@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 import jaxaccum
 from jaxaccum import _hlo
 
-from .common import emit, hlo_text, reduced_shapes
+from .common import emit, hlo_text
 
 B, D, H, E = 128, 16, 32, 8
 Params = dict[str, Any]
@@ -81,7 +81,7 @@ def main() -> None:
                 "reductions": _hlo.gradient_reductions(hlo, shape[0]),
                 "gathers_in_loops": counts["all-gather in loops"],
                 "collectives": [[op, loop, size] for op, loop, size, _ in ops],
-                "reduced": reduced_shapes(hlo),
+                "reduced": _hlo.reduced_shapes(hlo),
                 "param_shapes": [list(np.shape(x)) for x in jax.tree.leaves(params)],
                 "param_bytes": sum(np.asarray(x).nbytes for x in jax.tree.leaves(params)),
                 "reps_bytes": 2 * B * E * 4,
