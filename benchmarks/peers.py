@@ -302,12 +302,15 @@ def build(case: Case, method: str, k: int, optimizer: Any, donate: bool) -> Prog
 
     # every step returns the loss it computed, as jaxaccum's and MaxText's and Levanter's
     # train steps report it (a loss nobody returns is a computation XLA drops)
-    def single(value_and_grads_of: Callable[..., Any]) -> Program:
+    def jitted(update: Callable[..., Any], value_and_grads_of: Callable[..., Any]) -> Any:
         def step(p: Any, s: Any, b: Any) -> Any:
             loss, grads = value_and_grads_of(p, b)
-            return (*apply(p, s, grads), loss)
+            return (*update(p, s, grads), loss)
 
-        return Program(jax.jit(step, donate_argnums=donated), optimizer)
+        return jax.jit(step, donate_argnums=donated)
+
+    def single(value_and_grads_of: Callable[..., Any]) -> Program:
+        return Program(jitted(apply, value_and_grads_of), optimizer)
 
     if method == "full":
         return single(jax.value_and_grad(case.mean_loss))
@@ -320,12 +323,8 @@ def build(case: Case, method: str, k: int, optimizer: Any, donate: bool) -> Prog
         return Program(PythonLoop(case.mean_loss, apply, donated), optimizer, micro_list=True)
     if method == "optax_multisteps":
         multi = optax.MultiSteps(optimizer, k).gradient_transformation()
-        apply_multi = apply_update(multi)
-        def multi_step(p: Any, s: Any, b: Any) -> Any:
-            loss, grads = jax.value_and_grad(case.mean_loss)(p, b)
-            return (*apply_multi(p, s, grads), loss)
-
-        return Program(jax.jit(multi_step, donate_argnums=donated), multi, per_call=True)
+        return Program(jitted(apply_update(multi), jax.value_and_grad(case.mean_loss)), multi,
+                       per_call=True)
     if method == "optax_microbatching":
         mb = optax.microbatching
         return single(

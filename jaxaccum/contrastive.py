@@ -109,11 +109,11 @@ def _scalar(entry: str, name: str, value: ArrayLike) -> jax.Array:
 
 
 def _check_block(entry: str, name: str, fn: Callable[..., Any], params: Any, a: Any, b: Any,
-                 tile: int, *extra: Any) -> None:
-    """``fn(params, a tile, b tile, *extra)`` must give one float per pair of the tile."""
-    ta, tb = min(tile, _rows(entry, "a", a)), min(tile, _rows(entry, "b", b))
+                 ta: int, tb: int, *extra: Any) -> None:
+    """``fn(params, a's first ta examples, b's first tb, *extra)`` must give one float per
+    pair of that tile."""
     head = lambda tree, n: jax.tree.map(lambda x: x[:n], tree)  # noqa: E731
-    out = jax.eval_shape(fn, params, head(a, ta), head(b, tb), *(e[:ta, :tb] for e in extra))
+    out = jax.eval_shape(fn, params, head(a, ta), head(b, tb), *extra)
     shape = getattr(out, "shape", None)
     if shape != (ta, tb):
         raise ValueError(
@@ -284,7 +284,7 @@ def pairwise_logsumexp(score: Callable[[Any, Any, Any], jax.Array], params: Any,
     entry = "jaxaccum.contrastive.pairwise_logsumexp"
     tile = _check_tile(entry, tile)
     n_a, n_b = _rows(entry, "a", a), _rows(entry, "b", b)
-    _check_block(entry, "score", score, params, a, b, tile)
+    _check_block(entry, "score", score, params, a, b, min(tile, n_a), min(tile, n_b))
     return _tiles.logsumexp(score, tile, False, params, a, b, jnp.ones((n_a,), jnp.float32),
                             _weights(entry, "mask", mask, n_b))[0]
 
@@ -322,7 +322,7 @@ def pairwise_sum(term: Callable[[Any, Any, Any, jax.Array], jax.Array], params: 
     entry = "jaxaccum.contrastive.pairwise_sum"
     tile = _check_tile(entry, tile)
     n_a, n_b = _rows(entry, "a", a), _rows(entry, "b", b)
-    _check_block(entry, "term", term, params, a, b, tile,
-                 jnp.eye(min(tile, n_a), min(tile, n_b), dtype=bool))
+    ta, tb = min(tile, n_a), min(tile, n_b)
+    _check_block(entry, "term", term, params, a, b, ta, tb, jnp.eye(ta, tb, dtype=bool))
     return _tiles.total(term, tile, params, a, b, _weights(entry, "mask_a", mask_a, n_a),
                         _weights(entry, "mask_b", mask_b, n_b))
