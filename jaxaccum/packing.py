@@ -31,7 +31,7 @@ from jaxaccum import _microbatches, _validation
 PACK = "jaxaccum.packing.pack"
 PACK_STREAM = "jaxaccum.packing.pack_stream"
 PACK_EPOCH = "jaxaccum.packing.pack_epoch"
-_BLOCK_TOKENS = 1 << 20  # pack's rows are written this many tokens at a time
+_BLOCK_TOKENS = 1 << 17  # pack's rows are written this many tokens (2 MiB) at a time
 _INT32 = np.iinfo(np.int32)
 
 
@@ -200,11 +200,16 @@ def _pad_id(entry: str, pad_id: Any) -> int:
     return int(pad_id)
 
 
-def _blank(num_rows: int, length: int, pad_id: int) -> tuple[np.ndarray, ...]:
-    """Rows of padding only: tokens, segment ids, positions, sequence indices."""
-    shape = (num_rows, length)
-    return (np.full(shape, pad_id, np.int32), np.zeros(shape, np.int32),
-            np.zeros(shape, np.int32), np.full(shape, -1, np.int32))
+def _empty(num_rows: int, length: int) -> tuple[np.ndarray, ...]:
+    """Rows to be written: tokens, segment ids, positions, sequence indices."""
+    return tuple(np.empty((num_rows, length), np.int32) for _ in range(4))
+
+
+def _pad(out: tuple[np.ndarray, ...], pad_id: int) -> tuple[np.ndarray, ...]:
+    """Fills rows with padding: ``pad_id``, segment id 0, position 0, sequence index -1."""
+    for a, value in zip(out, (pad_id, 0, 0, -1), strict=True):
+        a.fill(value)
+    return out
 
 
 def _fill(out: tuple[np.ndarray, ...], seqs: Sequence[np.ndarray], index: np.ndarray,
@@ -245,7 +250,7 @@ def _assemble(
     pad_id: int,
 ) -> Packed:
     """Lays out sequences given the row of each: in a row, in the order given, padding last."""
-    out = _blank(microbatches * rows, length, pad_id)
+    out = _pad(_empty(microbatches * rows, length), pad_id)
     _fill(out, seqs, index, row_of)
     return _packed(out, num_rows, microbatches=microbatches, rows=rows)
 
@@ -307,7 +312,7 @@ def pack(    sequences: Sequence[Any],
     in input order, padding last; rows are numbered in the order opened and grouped in that
     order, so only the last used micro-batch can hold all-padding rows. Memory: the output
     (16 bytes a slot) and the plan (about 100 bytes a sequence), the rows being written a
-    block of about 2^20 tokens at a time; :func:`pack_epoch` yields the same rows a step at
+    block of about 2^17 tokens at a time; :func:`pack_epoch` yields the same rows a step at
     a time.
 
     Args:
@@ -366,12 +371,14 @@ def pack(    sequences: Sequence[Any],
             f"or raise max_microbatches to at least {used}"
         )
     microbatches = used if max_microbatches is None else max_microbatches
-    out = _blank(microbatches * rows, length, pad)
-    # a block of rows at a time: the temporaries stay ~2^20 tokens, whatever the corpus
+    out = _empty(microbatches * rows, length)
+    # a block of rows at a time, padded and then written while it is in cache: each slot is
+    # written twice at most, the temporaries stay ~2^17 tokens whatever the corpus
     per = max(1, _BLOCK_TOKENS // length)
     for index, base in _blocks(row_of, num_rows, per):
-        _fill(tuple(a[base:base + per] for a in out), [seqs[i] for i in index], index,
-              row_of[index] - base)
+        block = _pad(tuple(a[base:base + per] for a in out), pad)
+        _fill(block, [seqs[i] for i in index], index, row_of[index] - base)
+    _pad(tuple(a[-(-num_rows // per) * per:] for a in out), pad)  # the micro-batches unused
     return _packed(out, num_rows, microbatches=microbatches, rows=rows)
 
 

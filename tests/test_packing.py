@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import math
 import tracemalloc
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -40,6 +41,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import jaxaccum
+from jaxaccum import packing
 from jaxaccum.packing import (
     Packed,
     attention_mask,
@@ -202,13 +204,19 @@ def test_inputs_of_other_integer_types():
     rows=st.integers(1, 4),
     spare=st.integers(0, 2),
     seed=st.integers(0, 2**31 - 1),
+    block=st.sampled_from([1, 7, 24, None]),
+    pad_id=st.sampled_from([0, -3]),
 )
-def test_property_layout(lengths, length, rows, spare, seed):
+def test_property_layout(lengths, length, rows, spare, seed, block, pad_id):
+    """The layout contract, whatever the size of the blocks pack writes its rows in (one row
+    at a time up to all at once: pack's output does not depend on how it is written)."""
     lengths = [min(k, length) for k in lengths]
     seqs = random_sequences(np.random.default_rng(seed), lengths)
     used = pack(seqs, rows=rows, length=length).num_microbatches
-    packed = pack(seqs, rows=rows, length=length, max_microbatches=max(used + spare, 1))
-    check_packed(packed, seqs, rows=rows, length=length)
+    with mock.patch.object(packing, "_BLOCK_TOKENS", block or packing._BLOCK_TOKENS):
+        packed = pack(seqs, rows=rows, length=length, max_microbatches=max(used + spare, 1),
+                      pad_id=pad_id)
+    check_packed(packed, seqs, rows=rows, length=length, pad_id=pad_id)
     fills = sorted(row_fills(packed))
     assert fills == naive_best_fit_decreasing(lengths, length)
     assert len(fills) <= len(seqs)  # never more rows than one sequence per row
