@@ -25,7 +25,10 @@ Methods, all producing arrays of 64 rows of T tokens a step (jaxaccum: ``(M, row
 The Grain pipelines (Grain's packers and ``PackIterDataset``) read
 ``grain.MapDataset.source([{"tokens": seq}, ...]).to_iter_dataset(ReadOptions(num_threads=0))``
 (in-memory data: no reader threads, as Grain recommends); ``pack*`` take the list of arrays.
-``source_only`` is that Grain source iterated without packing, for reference.
+``source_only`` is that Grain source iterated without packing, for reference; and
+``output_only`` allocates and pads four int32 arrays of the corpus's lower-bound rows
+(``ceil(tokens / T)`` rows of T tokens): the least any packer that returns the whole corpus
+at once (``pack``) writes, the cost of fresh memory from the operating system included.
 
 Measured per corpus and method, in interleaved rounds (round-robin over the methods, the order
 rotated each round; medians): the throughput (corpus tokens / seconds to consume the whole
@@ -74,6 +77,7 @@ GRAIN = ("grain_first_fit", "grain_best_fit", "grain_concat_split")
 WHOLE = ("grain_first_fit", "grain_best_fit")  # Grain's packers that keep sequences whole
 METHODS = JAXACCUM + GRAIN
 REFERENCE = "source_only"
+OUTPUT = "output_only"  # the whole corpus's rows, allocated and padded: pack's floor
 SLOW_S = 60.0
 REDUCED = 30_000
 
@@ -153,6 +157,10 @@ def outputs(method: str, c: Corpus) -> Iterator[Any]:
 
 def consume(method: str, c: Corpus) -> dict[str, int]:
     """Consumes every output, keeping none: real tokens, slots and outputs."""
+    if method == OUTPUT:
+        rows = -(-c.tokens // c.T)
+        out = [np.full((rows, c.T), value, np.int32) for value in (0, 0, 0, -1)]
+        return {"real": c.tokens, "slots": sum(a.size for a in out) // 4, "outputs": 1}
     real = slots = count = 0
     if method == REFERENCE:
         for element in outputs(method, c):
@@ -174,7 +182,7 @@ def consume(method: str, c: Corpus) -> dict[str, int]:
 
 def verify(method: str, c: Corpus) -> dict[str, Any]:
     """The warm-up: consumes the method's outputs checking every corpus token appears once."""
-    if method == REFERENCE:
+    if method in (REFERENCE, OUTPUT):
         return {"ok": consume(method, c)["real"] == c.tokens}
     per_seq = np.zeros(c.n, np.int64)
     real_n = mismatched = tok_sum = tok_sq = 0
@@ -237,7 +245,7 @@ def specs(quick: bool) -> list[tuple[str, int, int]]:
 
 
 def run_corpus(kind: str, T: int, n: int, seed: int, rounds: int) -> dict[str, Any]:
-    methods = (*METHODS, REFERENCE)
+    methods = (*METHODS, REFERENCE, OUTPUT)
     c = Corpus(kind, T, n, seed)
     note = None
     warm = {m: timed(lambda m=m: verify(m, c)) for m in methods}
@@ -299,8 +307,8 @@ def markdown(payload: dict[str, Any]) -> str:
         "produced (jaxaccum: the used micro-batches; Grain: its batches' rows). Peak: "
         "tracemalloc peak of one pack / pack_epoch run beyond the corpus.", "",
         "## Throughput (M tokens/s), ratio to the best Grain packer", "",
-        "| corpus | tokens | " + " | ".join(METHODS) + " | source_only |",
-        "| --- | ---: | " + " | ".join("---:" for _ in METHODS) + " | ---: |",
+        "| corpus | tokens | " + " | ".join(METHODS) + " | source_only | output_only |",
+        "| --- | ---: | " + " | ".join("---:" for _ in METHODS) + " | ---: | ---: |",
     ]
     for e in payload["corpora"]:
         ms = e["methods"]
@@ -314,7 +322,7 @@ def markdown(payload: dict[str, Any]) -> str:
             cells.append(cell)
         name = e["corpus"] + (" *" if e["note"] else "")
         lines.append(f"| {name} | {e['tokens'] / 1e6:.1f}M | " + " | ".join(cells)
-                     + f" | {ms[REFERENCE]['mtok_per_s']:.1f} |")
+                     + f" | {ms[REFERENCE]['mtok_per_s']:.1f} | {ms[OUTPUT]['mtok_per_s']:.1f} |")
     lines += ["", "## Fill (real tokens / slots), rows produced; peak memory (MiB)", "",
               "| corpus | lower-bound rows | " + " | ".join(METHODS)
               + " | pack peak | pack_epoch peak | corpus MiB |",
