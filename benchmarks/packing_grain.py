@@ -30,8 +30,8 @@ The Grain pipelines (Grain's packers and ``PackIterDataset``) read
 (``ceil(tokens / T)`` rows of T tokens): the least any packer that returns the whole corpus
 at once (``pack``) writes, the cost of fresh memory from the operating system included.
 
-Measured per corpus and method, in interleaved rounds (round-robin over the methods, the order
-rotated each round; medians): the throughput (corpus tokens / seconds to consume the whole
+Measured per corpus and method, in interleaved rounds (every method once a round, each
+round in its own seeded random order; medians): the throughput (corpus tokens / seconds to consume the whole
 corpus: every step or batch is produced, its real tokens counted, then dropped); the fill
 (real tokens / slots of the rows produced: for jaxaccum over the ``num_microbatches`` used
 micro-batches of each output, as ``Packed.fill``; for Grain over the rows of its batches, the
@@ -42,10 +42,10 @@ checks every output: each corpus token exactly once (jaxaccum: per-sequence toke
 position; Grain: the real-token count, the sums of the token ids and of their squares, and for
 the two whole-sequence packers the histogram of positions, i.e. the multiset of lengths).
 
-About 21 minutes on 2 shared CPU cores (``--quick``: about 1.5 minutes). Writes
+About 12 minutes on 2 quiet CPU cores (``--quick``: about 1.5 minutes). Writes
 results/packing_grain.json and results/packing_grain.md.
 
-    python benchmarks/packing_grain.py [--quick] [--rounds-small 3] [--rounds-big 2]
+    python benchmarks/packing_grain.py [--quick] [--rounds-small 3] [--rounds-big 3]
     python benchmarks/packing_grain.py --profile uniform-2048-100000 pack_stream
 """
 
@@ -57,6 +57,7 @@ import gc
 import io
 import math
 import pstats
+import random
 import statistics
 import time
 import tracemalloc
@@ -262,9 +263,11 @@ def run_corpus(kind: str, T: int, n: int, seed: int, rounds: int) -> dict[str, A
             raise AssertionError(f"{c.name}: {m} failed its check ({check})")
     times: dict[str, list[float]] = {m: [] for m in methods}
     counts: dict[str, dict[str, int]] = {}
-    for r in range(rounds):
-        shift = r % len(methods)
-        for m in methods[shift:] + methods[:shift]:
+    # each round in its own seeded random order: the time to get fresh memory from the
+    # operating system depends on what ran before (pack's output is GBs on the big corpora)
+    order = random.Random(f"{kind}-{T}-{n}")
+    for _ in range(rounds):
+        for m in order.sample(methods, len(methods)):
             t, counts[m] = timed(lambda m=m: consume(m, c))
             times[m].append(t)
             assert counts[m]["real"] == c.tokens, (c.name, m, counts[m])
@@ -372,7 +375,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="10^4-sequence corpora, 2 rounds")
     parser.add_argument("--rounds-small", type=int, default=3)
-    parser.add_argument("--rounds-big", type=int, default=2)
+    parser.add_argument("--rounds-big", type=int, default=3)
     parser.add_argument("--profile", nargs=2, metavar=("CORPUS", "METHOD"),
                         help="cProfile one method on one corpus (e.g. docs-2048-100000 pack)")
     args = parser.parse_args()

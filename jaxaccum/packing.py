@@ -312,8 +312,9 @@ def pack(    sequences: Sequence[Any],
     in input order, padding last; rows are numbered in the order opened and grouped in that
     order, so only the last used micro-batch can hold all-padding rows. Memory: the output
     (16 bytes a slot) and the plan (about 100 bytes a sequence), the rows being written a
-    block of about 2^17 tokens at a time; :func:`pack_epoch` yields the same rows a step at
-    a time.
+    block of about 2^17 tokens at a time. On a large corpus most of the time is the
+    operating system handing out the output's fresh memory (16 bytes a slot, written once):
+    :func:`pack_epoch` yields the same rows a step at a time, in one step's memory.
 
     Args:
       sequences: a list of 1-D integer arrays of token ids, each of 1 to ``length`` tokens.

@@ -104,7 +104,7 @@ def main() -> None:
     equivalent = judged_equivalent(args.equivalent)
     for m in mutants:
         why = equivalent.get(key(m["diff"]))
-        if m["verdict"] == "survived" and why:
+        if m["verdict"] in ("survived", "timeout") and why:  # (a timeout: no verdict came)
             m["verdict"], m["why"] = "equivalent", why
     per: dict[str, Counter[str]] = defaultdict(Counter)
     for m in mutants:
