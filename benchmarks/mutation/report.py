@@ -18,10 +18,11 @@ import subprocess
 from collections import Counter, defaultdict
 from typing import Any
 
-# A mutant that cannot run at all: an operator its operands do not support (Python or JAX says
-# so at once). Loud by construction; reported apart from the crashes a test provoked.
+# A mutant that cannot run at all: an operator its operands do not support (Python, NumPy
+# or JAX says so at once). Loud by construction; reported apart from the crashes a test
+# provoked.
 INCOMPETENT = ("unsupported operand type", "not supported between instances",
-               "does not accept dtype", "bad operand type")
+               "does not accept dtype", "bad operand type", "not supported for the input types")
 
 
 def key(diff: str) -> tuple[str, ...]:
