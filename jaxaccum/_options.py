@@ -59,8 +59,9 @@ class DataParallel:
 
     Raises:
       TypeError: ``mesh`` is not a ``jax.sharding.Mesh``.
-      ValueError: ``data_axis`` is missing on a mesh with several axes or names no axis of
-        the mesh; ``fsdp`` is not ``"step"`` or ``"microbatch"``.
+      ValueError: the mesh has no axes; ``data_axis`` is missing on a mesh with several
+        axes, names no axis of the mesh or is empty; ``fsdp`` is not ``"step"`` or
+        ``"microbatch"``.
 
     Examples:
       >>> import jax, jaxaccum
@@ -85,6 +86,11 @@ class DataParallel:
                 f"jaxaccum.DataParallel: fsdp must be one of {FSDP_MODES}; got {self.fsdp!r}"
             )
         names = self.mesh.axis_names
+        if not names:
+            raise ValueError(
+                "jaxaccum.DataParallel: mesh has no axes; the batch is split over a mesh axis: "
+                "e.g. jax.make_mesh((jax.device_count(),), ('data',))"
+            )
         if self.data_axis is None and len(names) != 1:
             raise ValueError(
                 f"jaxaccum.DataParallel: data_axis must name the batch axis (or axes) of a mesh "

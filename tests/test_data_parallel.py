@@ -78,6 +78,26 @@ def test_errors_name_arguments():
     assert "jaxaccum.value_and_grad: the batch size 12 is not divisible by the 8 devices" in msgs[2]
 
 
+def test_data_parallel_takes_exactly_the_documented_data_axes():
+    """``data_axis`` (DataParallel's docstring): the mesh axis, or tuple of axes, the batch is
+    split over, omitted only on a one-axis mesh; anything else (no axes, an axis the mesh
+    lacks, an empty tuple, omitted on a mesh of several axes) is refused naming DataParallel
+    and the mesh's axes. Meshes of 0, 1 and 2 axes on one device."""
+    device = np.array(jax.devices()[:1])
+    for names in [(), ("data",), ("data", "model")]:
+        mesh = jax.sharding.Mesh(device.reshape((1,) * len(names)), names)
+        for data_axis in [None, "data", ("data",), ("model", "data"), "nope", ()]:
+            wanted = (names if data_axis is None
+                      else (data_axis,) if isinstance(data_axis, str) else data_axis)
+            valid = (len(names) == 1 if data_axis is None
+                     else bool(wanted) and all(a in names for a in wanted))
+            if valid:
+                assert jaxaccum.DataParallel(mesh, data_axis=data_axis).axes == wanted
+            else:
+                with refuses(ValueError, match=r"^jaxaccum\.DataParallel: .*mesh"):
+                    jaxaccum.DataParallel(mesh, data_axis=data_axis)
+
+
 def test_param_shardings_errors_name_the_argument():
     mesh1 = jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
     params = {"w": jnp.ones((4, 2)), "b": jnp.zeros(2)}
