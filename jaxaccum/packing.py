@@ -771,6 +771,9 @@ def attention_mask(segment_ids: Any) -> jax.Array:
     Returns:
       A bool array of shape ``(..., length, length)``.
 
+    Raises:
+      ValueError: ``segment_ids`` is a scalar (it has no length axis).
+
     Examples:
       >>> import jax.numpy as jnp
       >>> from jaxaccum.packing import attention_mask

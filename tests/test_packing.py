@@ -607,6 +607,21 @@ def test_all_padding_gives_zero_weight_and_no_nan():
         assert np.all(np.asarray(g) == 0.0)
 
 
+@pytest.mark.parametrize("fn", [token_mean, sequence_mean])
+@pytest.mark.parametrize("loss_shape,seg_shape", [((2, 8), (2, 7)), ((8,), (2, 8)), ((), ())])
+def test_loss_helpers_refuse_what_their_docstrings_say(fn, loss_shape, seg_shape):
+    """Raises (their docstrings): "the two shapes differ, or are scalars"."""
+    with refuses(ValueError, match=rf"^jaxaccum\.packing\.{fn.__name__}: per_token_loss and "
+                 r"segment_ids must have one shape \(\.\.\., length\)"):
+        fn(jnp.ones(loss_shape), jnp.ones(seg_shape, jnp.int32))
+
+
+def test_attention_mask_refuses_a_scalar():
+    with refuses(ValueError, match=r"^jaxaccum\.packing\.attention_mask: segment_ids must "
+                 r"have shape \(\.\.\., length\); got a scalar"):
+        attention_mask(jnp.int32(1))
+
+
 def test_loss_helper_errors():
     with refuses(ValueError, match=r"^jaxaccum\.packing\.token_mean: per_token_loss and "
                        r"segment_ids must have one shape .* got per_token_loss \(2, 8\) and "
