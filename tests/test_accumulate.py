@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -514,12 +516,26 @@ def test_weights_are_constants_for_the_gradient():
 
 
 def test_unroll_gives_the_same_result_and_is_checked():
-    rolled = jax.jit(jaxaccum.value_and_grad(mse_loss, num_microbatches=8))(PARAMS, BATCH)
+    """Options.unroll: "default 1: a rolled loop" (unrolled micro-batches' activations live at
+    once); any other value gives the same result; an int < 1 is refused."""
+    default_fn = jaxaccum.value_and_grad(mse_loss, num_microbatches=8)
+    assert re.search(r"\bscan\[.*unroll=1\b", str(jax.make_jaxpr(default_fn)(PARAMS, BATCH)),
+                     re.S)
+    rolled = jax.jit(default_fn)(PARAMS, BATCH)
     unrolled_fn = jaxaccum.value_and_grad(mse_loss, num_microbatches=8, unroll=4)
     assert_trees_close(jax.jit(unrolled_fn)(PARAMS, BATCH), rolled, 1e-6)
     assert "unroll=4" in str(jax.make_jaxpr(unrolled_fn)(PARAMS, BATCH))
     with refuses(TypeError, match="jaxaccum.value_and_grad: unroll must be"):
         jaxaccum.value_and_grad(mse_loss, num_microbatches=8, unroll=0)
+
+
+@pytest.mark.parametrize("bad", ["not a dtype", object()])
+def test_accumulator_dtype_that_is_no_dtype_is_refused_at_construction(bad):
+    """Options.accumulator_dtype: a dtype or None; anything else is refused when the entry
+    point is made, naming it."""
+    with refuses(TypeError, match=r"^jaxaccum\.value_and_grad: accumulator_dtype must be a "
+                 r"dtype or None"):
+        jaxaccum.value_and_grad(mse_loss, num_microbatches=2, accumulator_dtype=bad)
 
 
 def test_a_pair_returned_without_has_aux_names_the_option():
