@@ -186,9 +186,9 @@ class Options:
     @property
     def aux_spec(self) -> Any:
         """The aux reduction spec, or None without aux (``True`` means ``"stack"``)."""
-        if self.has_aux is False:
-            return None
-        return "stack" if self.has_aux is True else self.has_aux
+        if isinstance(self.has_aux, (bool, np.bool_)):  # NumPy's bools too
+            return "stack" if self.has_aux else None
+        return self.has_aux
 
     @property
     def data_parallel(self) -> DataParallel | None:

@@ -529,6 +529,24 @@ def test_unroll_gives_the_same_result_and_is_checked():
         jaxaccum.value_and_grad(mse_loss, num_microbatches=8, unroll=0)
 
 
+@pytest.mark.parametrize("option", ["has_aux", "weighted", "skip_nonfinite"])
+@pytest.mark.parametrize("value", [False, True])
+def test_a_numpy_bool_option_is_the_python_bool(option, value):
+    """The boolean options take NumPy's bools (as the validation accepts them) with the same
+    meaning as Python's."""
+    def loss(params, batch):
+        value_ = mse_loss(params, batch)
+        weight = jnp.float32(batch[0].shape[0])
+        out = (value_, weight) if option == "weighted" and value else value_
+        return (out, {"x": batch[0][:, 0]}) if option == "has_aux" and value else out
+
+    def run(v):
+        return jax.jit(jaxaccum.value_and_grad(loss, num_microbatches=2, **{option: v}))(
+            PARAMS, BATCH)
+
+    assert_trees_close(run(np.bool_(value)), run(value), 0.0)
+
+
 @pytest.mark.parametrize("bad", ["not a dtype", object()])
 def test_accumulator_dtype_that_is_no_dtype_is_refused_at_construction(bad):
     """Options.accumulator_dtype: a dtype or None; anything else is refused when the entry
