@@ -31,8 +31,9 @@ The Grain pipelines (Grain's packers and ``PackIterDataset``) read
 at once (``pack``) writes, the cost of fresh memory from the operating system included.
 
 Measured per corpus and method, in interleaved rounds (every method once a round, each
-round in its own seeded random order; medians): the throughput (corpus tokens / seconds to consume the whole
-corpus: every step or batch is produced, its real tokens counted, then dropped); the fill
+round in its own seeded random order; medians): the throughput (corpus tokens / seconds to
+consume the whole corpus: every step or batch is produced, its real tokens counted, then
+dropped); the fill
 (real tokens / slots of the rows produced: for jaxaccum over the ``num_microbatches`` used
 micro-batches of each output, as ``Packed.fill``; for Grain over the rows of its batches, the
 last partial batch counting only its rows); the peak traced memory (``tracemalloc``, NumPy
