@@ -9,7 +9,8 @@ An assertion is an ``AssertionError`` (a multi-device program that failed on one
 ``tests/launcher.py`` raises ``ProgramAssertionError`` then), pytest's ``Failed`` (a
 ``pytest.raises`` that did not raise) or a doctest whose output differs; a doctest that raised
 is judged by what it raised. The refusal of valid input (``conftest.py`` fails it as an
-assertion saying so) is an assertion, recorded as a refusal.
+assertion saying so) is an assertion, recorded as a refusal; the session goes on past it as
+past a crash (a later test may assert on a result: the mutant is then killed).
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[Any]):  #
     record = {"test": item.nodeid, "phase": call.when, "exception": type(error).__name__,
               "asserted": bool(asserted), "refused": refused, "message": message[:300]}
     _write(record)
-    if asserted:
+    if asserted and not refused:
         item.session.shouldstop = f"an assertion failed in {item.nodeid}"
         return
     CRASHES.append(item.nodeid)
