@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from conftest import (
     assert_within_rounding,
     full_and_reference,
@@ -133,18 +134,33 @@ def test_nnx_train_step_takes_a_runtime_count():
     assert max_rel_diff(model.kernel[...], ref.kernel[...]) < 1e-5
 
 
+X10 = np.arange(10.0 * 3).reshape(10, 3)
+
+
 def test_microbatches_helper_pads_the_last_short_batch():
-    x = np.arange(10.0 * 3).reshape(10, 3)
-    mb = jaxaccum.microbatches(x, microbatch_size=2, max_microbatches=8)
+    mb = jaxaccum.microbatches(X10, microbatch_size=2, max_microbatches=8)
     assert mb.data.shape == (8, 2, 3) and int(mb.count) == 5
-    np.testing.assert_array_equal(mb.data[:5].reshape(10, 3), x)
+    np.testing.assert_array_equal(mb.data[:5].reshape(10, 3), X10)
+
+
+# one documented refusal per test (microbatches' Raises), so that each is checked on its own
+
+
+def test_microbatches_refuses_more_microbatches_than_max():
     with refuses(ValueError, match="jaxaccum.microbatches: the batch holds 5 .* more than"):
-        jaxaccum.microbatches(x, microbatch_size=2, max_microbatches=4)
-    with refuses(ValueError, match="microbatch_size=3 must divide the batch's 10"):
-        jaxaccum.microbatches(x, microbatch_size=3, max_microbatches=4)
+        jaxaccum.microbatches(X10, microbatch_size=2, max_microbatches=4)
+
+
+@pytest.mark.parametrize("m", [3, 0, -2])
+def test_microbatches_refuses_a_size_that_does_not_divide_the_batch(m):
+    with refuses(ValueError, match=f"microbatch_size={m} must divide the batch's 10"):
+        jaxaccum.microbatches(X10, microbatch_size=m, max_microbatches=4)
+
+
+def test_microbatches_refuses_leaves_that_are_not_per_example():
     # every leaf is per example: leaves of different lengths (in either order) or a scalar
     # leaf are refused, whichever leaf comes first
-    for bad in ((x, x[:8]), (x[:8], x), (x, np.float32(1.0)), np.float32(1.0)):
+    for bad in ((X10, X10[:8]), (X10[:8], X10), (X10, np.float32(1.0)), np.float32(1.0)):
         with refuses(ValueError, match=r"jaxaccum.microbatches: every leaf of batch must have "
                                        r"the same leading axis .* got leaves of shapes"):
             jaxaccum.microbatches(bad, microbatch_size=2, max_microbatches=8)
