@@ -27,8 +27,9 @@ The Grain pipelines (Grain's packers and ``PackIterDataset``) read
 (in-memory data: no reader threads, as Grain recommends); ``pack*`` take the list of arrays.
 ``source_only`` is that Grain source iterated without packing, for reference; and
 ``output_only`` allocates and pads four int32 arrays of the corpus's lower-bound rows
-(``ceil(tokens / T)`` rows of T tokens): the least any packer that returns the whole corpus
-at once (``pack``) writes, the cost of fresh memory from the operating system included.
+(``ceil(tokens / T)`` rows of T tokens): what any packer that returns the whole corpus at
+once (``pack``) must at least write, measured in the same rounds (its time, like ``pack``'s,
+depends on what the operating system's fresh memory costs just then).
 
 Measured per corpus and method, in interleaved rounds (every method once a round, each
 round in its own seeded random order; medians): the throughput (corpus tokens / seconds to
@@ -79,7 +80,7 @@ GRAIN = ("grain_first_fit", "grain_best_fit", "grain_concat_split")
 WHOLE = ("grain_first_fit", "grain_best_fit")  # Grain's packers that keep sequences whole
 METHODS = JAXACCUM + GRAIN
 REFERENCE = "source_only"
-OUTPUT = "output_only"  # the whole corpus's rows, allocated and padded: pack's floor
+OUTPUT = "output_only"  # the whole corpus's rows allocated and padded, for reference
 SLOW_S = 60.0
 REDUCED = 30_000
 

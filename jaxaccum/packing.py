@@ -313,7 +313,7 @@ def pack(    sequences: Sequence[Any],
     order, so only the last used micro-batch can hold all-padding rows. Memory: the output
     (16 bytes a slot) and the plan (about 100 bytes a sequence), the rows being written a
     block of about 2^17 tokens at a time. On a large corpus most of the time is the
-    operating system handing out the output's fresh memory (16 bytes a slot, written once):
+    operating system handing out the output's fresh memory (16 bytes a slot):
     :func:`pack_epoch` yields the same rows a step at a time, in one step's memory.
 
     Args:
