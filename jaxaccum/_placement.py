@@ -192,9 +192,11 @@ class AutoMesh(_Mesh):
     def run(
         self, acc: Accumulation, args: tuple[Any, ...], k: int, count: Any = None
     ) -> Result:
-        if acc.carry:
+        if any(jax.tree.leaves(args[i]) for i in acc.carry):  # (an empty state is no state)
+            what = ("the module's state other than the differentiated variables"
+                    if acc.entry.startswith("jaxaccum.nnx.") else f"carry_argnums={acc.carry}")
             raise ValueError(
-                f"{acc.entry}: carry_argnums={acc.carry} with a mesh whose data axes "
+                f"{acc.entry}: {what} with a mesh whose data axes "
                 f"{self.axes} are Auto: each device would see only its share of every "
                 "micro-batch, so carried state (BatchNorm statistics) would differ from the "
                 "single-device run; use a mesh with Explicit axes (jax.make_mesh's default)"
@@ -240,7 +242,8 @@ class AutoMesh(_Mesh):
         aux = [jnp.swapaxes(x, 0, 1) if swap else x if stacked else self.first(x)
                for stacked, swap, x in zip(static["stacked"], static["swap"], aux, strict=True)]
         return Result(loss, grads, jax.tree.unflatten(static["tree"], aux), weight, skipped,
-                      self.count(k) if count is None else self.count(1) * count, noise=noise)
+                      self.count(k) if count is None else self.count(1) * count,
+                      carry=tuple(acc.carried(args)), noise=noise)  # (carried: empty, as given)
 
     def first(self, x: jax.Array) -> jax.Array:
         """The first device's copy of a value every device holds (one per device on axis 0);

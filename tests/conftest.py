@@ -247,6 +247,20 @@ def pytest_pyfunc_call(pyfuncitem):
         outcome.force_exception(AssertionError(f"jaxaccum refused valid input: {error}"))
 
 
+def accepts(call) -> bool:
+    """Whether jaxaccum accepts an input: True when ``call()`` returns, False when jaxaccum
+    refuses it (its own ``ValueError``/``TypeError``, whose message names the entry point).
+    Any other exception propagates: a crash is not a refusal. For the tests of a validator's
+    documented domain, ``assert accepts(...) == documented``: both directions at once."""
+    try:
+        call()
+    except (TypeError, ValueError) as error:
+        if not str(error).startswith("jaxaccum"):
+            raise
+        return False
+    return True
+
+
 @contextlib.contextmanager
 def refuses(kind, match: str | None = None) -> Iterator[types.SimpleNamespace]:
     """Like ``pytest.raises``, but any other exception, or a message that does not match, is

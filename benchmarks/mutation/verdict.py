@@ -24,7 +24,7 @@ import sys
 import tempfile
 from typing import Any
 
-REFERENCE = ["tests/test_reference.py", "tests/test_contract.py"]
+REFERENCE = ["tests/test_reference.py", "tests/test_contract.py", "tests/test_domains.py"]
 MESH = ["tests/test_reference_mesh.py"]
 TESTS = {
     "jaxaccum/_reductions.py": [*REFERENCE, *MESH, "tests/test_guards.py", "tests/test_carry.py",
@@ -38,9 +38,10 @@ TESTS = {
     "jaxaccum/_options.py": [*REFERENCE, *MESH, "tests/test_carry.py", "tests/test_accumulate.py",
                              "tests/test_frontends.py", "tests/test_data_parallel.py"],
     "jaxaccum/_coupled.py": [*REFERENCE, "tests/test_coupled.py", "tests/test_coupled_mesh.py"],
-    "jaxaccum/_check.py": ["tests/test_check.py", "tests/test_contract.py",
+    "jaxaccum/_check.py": ["tests/test_check.py", "tests/test_contract.py", "tests/test_domains.py",
                            "tests/test_coupled_mesh.py"],
-    "jaxaccum/packing.py": ["tests/test_packing.py", "tests/test_grain.py"],
+    "jaxaccum/packing.py": ["tests/test_packing.py", "tests/test_grain.py",
+                            "tests/test_domains.py"],
     "jaxaccum/_placement.py": [*REFERENCE, *MESH, "tests/test_guards.py",
                                "tests/test_pipeline_placement.py", "tests/test_data_parallel.py",
                                "tests/test_variable_mesh.py", "tests/test_coupled_mesh.py",

@@ -1,0 +1,376 @@
+"""Each validator accepts exactly the inputs its documentation allows.
+
+A documented refusal ("Raises: ValueError: n / m > K") is half a promise; the other half is
+that everything else is taken, and gives the documented result. Each test here draws inputs
+on both sides of a documented boundary and asserts ``accepts(...) == documented`` (conftest's
+``accepts``: a jaxaccum refusal is False, a crash propagates), and for the accepted ones the
+result: the reference model's (``tests/reference.py``) or the docstring's.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import accepts
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from jax.sharding import AxisType
+from reference import FRONT_ENDS, STEPS, Scenario, check, run
+
+import jaxaccum
+import jaxaccum.nnx
+from jaxaccum import packing
+
+D = 3
+
+
+def slow(examples: int) -> settings:
+    """Hypothesis settings for examples that compile: no deadline, no too-slow check."""
+    return settings(max_examples=examples, deadline=None,
+                    suppress_health_check=[HealthCheck.too_slow])
+
+
+def scenario(k: int, size: int, seed: int = 0, **kw: Any) -> Scenario:
+    rng = np.random.default_rng(seed)
+    b = k * size
+    return Scenario(x=rng.normal(size=(b, D)).astype(np.float32),
+                    y=rng.normal(size=(b,)).astype(np.float32),
+                    m=np.ones(b, np.float32), w=(rng.normal(size=(D,)) / 2).astype(np.float32),
+                    k=k, **kw)
+
+
+# --- counts and stacks --------------------------------------------------------------------------
+
+
+@slow(60)
+@given(n=st.integers(0, 24), m=st.integers(-1, 7), k=st.integers(1, 8),
+       other=st.sampled_from([0, 0, 1, -1, "scalar"]))
+def test_microbatches_takes_exactly_a_divisor_whose_count_fits(n, m, k, other):
+    """``microbatches``: the leaves share a leading axis ``n``, ``m`` divides it and
+    ``n / m <= K``; then ``data`` leaves are ``(K, m, ...)`` holding the batch in order and
+    ``count = n / m`` (int32)."""
+    x = np.arange(n * 3, dtype=np.float32).reshape(n, 3)
+    y = np.arange(max(n + other, 0), dtype=np.int32) if other != "scalar" else np.int32(1)
+    documented = np.ndim(y) == 1 and len(y) == n and m >= 1 and n % m == 0 and n // m <= k
+    got: list[Any] = []
+    assert accepts(lambda: got.append(jaxaccum.microbatches(
+        (x, y), microbatch_size=m, max_microbatches=k))) == documented, (n, m, k, other)
+    if documented:
+        (sx, sy), count = got[0]
+        assert np.shape(count) == () and np.asarray(count).dtype == np.int32
+        assert int(count) == n // m
+        assert sx.shape == (k, m, 3) and sy.shape == (k, m)
+        np.testing.assert_array_equal(sx[:n // m].reshape(n, 3), x)
+        np.testing.assert_array_equal(sy[:n // m].reshape(n), y)
+
+
+@slow(24)
+@given(k=st.integers(1, 4), count=st.integers(-2, 6), front=st.sampled_from(STEPS))
+def test_a_step_takes_a_concrete_runtime_count_exactly_from_0_to_K(k, count, front):
+    """A concrete ``Microbatches.count`` outside ``0..K`` is refused by every step; inside,
+    the step gives the reference model's result (count 0: no update)."""
+    s = scenario(k, 2, count=count)
+    valid = 0 <= count <= k
+    assert accepts(lambda: check(front, s) if valid else run(front, s)) == valid, (k, count)
+
+
+@slow(12)
+@given(k=st.sampled_from([1, 2, 5, 257, 300]), m=st.integers(1, 2),
+       wrong=st.sampled_from([None, None, "x lead +1", "y lead -1", "y 1-D", "m differs"]))
+def test_a_stack_is_taken_exactly_when_every_leaf_is_K_by_m(k, m, wrong):
+    """With ``max_microbatches=K`` every leaf of ``Microbatches.data`` is ``(K, m, ...)``, one
+    ``m`` for all (large K too); then the result is the reference model's."""
+    s = scenario(k, m, count=k)
+    if wrong is None:
+        assert accepts(lambda: check("value_and_grad", s)), k
+        return
+    x, y, w8 = s.batch().data
+    if wrong == "x lead +1":
+        x = np.concatenate([x, x[:1]])
+    elif wrong == "y lead -1":
+        y = y[:-1] if k > 1 else y[:, :0]
+    elif wrong == "y 1-D":
+        y = y[:, 0]
+    else:
+        y = np.concatenate([y, y], axis=1)
+    fn = jax.jit(jaxaccum.value_and_grad(lambda w, b: jnp.mean(b[0] @ w - b[1]),
+                                         max_microbatches=k))
+    bad = jaxaccum.Microbatches((x, y, w8), np.int32(k))
+    assert not accepts(lambda: fn(jnp.asarray(s.w), bad)), (k, m, wrong)
+
+
+# --- meshes -------------------------------------------------------------------------------------
+
+
+def one_device_mesh(names: tuple[str, ...], kind: AxisType) -> jax.sharding.Mesh:
+    return jax.make_mesh((1,) * len(names), names, axis_types=(kind,) * len(names))
+
+
+@slow(16)
+@given(names=st.sampled_from([("data",), ("batch",), ("data", "model"), ("a", "b", "c")]),
+       kind=st.sampled_from([AxisType.Auto, AxisType.Explicit]),
+       front=st.sampled_from(FRONT_ENDS))
+def test_a_plain_mesh_is_taken_exactly_with_one_axis(names, kind, front):
+    """``mesh=`` a ``jax.sharding.Mesh`` names its data axis only when it has one axis (else
+    ``DataParallel`` names them); taken, every front end gives the reference result."""
+    mesh = one_device_mesh(names, kind)
+    s = scenario(2, 2)
+    valid = len(names) == 1
+    assert accepts(lambda: check(front, s, mesh=mesh)) == valid, (names, kind, front)
+
+
+@pytest.mark.parametrize(("front", "context"), [
+    *[("value_and_grad", c) for c in ("none", "same", "another")],
+    *[(step, c) for step in STEPS for c in ("none", "same")]])
+def test_an_explicit_mesh_needs_that_mesh_in_context_unless_a_step_sets_it(front, context):
+    """Explicit axes need their mesh in context (the README): ``value_and_grad`` refuses to
+    run without it or under another mesh; every step sets it itself and gives the reference
+    result."""
+    mesh = one_device_mesh(("data",), AxisType.Explicit)
+    around = {"none": None, "same": mesh,
+              "another": one_device_mesh(("other",), AxisType.Explicit)}[context]
+    s = scenario(2, 2)
+
+    def call() -> None:
+        if around is None:
+            got = run(front, s, mesh)
+        else:
+            with jax.set_mesh(around):
+                got = run(front, s, mesh)
+        want = check_result(s, got)
+        assert want
+
+    valid = front in STEPS or context == "same"
+    assert accepts(call) == valid, (front, context)
+
+
+def check_result(s: Scenario, got: dict[str, Any]) -> bool:
+    """The loss and (for the steps) the parameters after SGD(1) against float64."""
+    x, y, w = (np.asarray(a, np.float64) for a in (s.x, s.y, s.w))
+    r = x @ w - y
+    grads = 2 * (r[:, None] * x).mean(0)
+    loss = float(np.mean(r**2))
+    bound = 16 * np.finfo(np.float32).eps * (1 + np.mean(r**2))
+    assert abs(float(got["value"]) - loss) <= bound, (float(got["value"]), loss)
+    if "params" in got:
+        np.testing.assert_allclose(np.asarray(got["params"], np.float64), w - grads,
+                                   rtol=0, atol=bound * (1 + float(np.max(np.abs(x)))))
+    return True
+
+
+# --- aux and check ------------------------------------------------------------------------------
+
+
+@slow(16)
+@given(k=st.integers(1, 3), m=st.integers(1, 3), delta=st.sampled_from([0, 0, -1, 1, "scalar"]),
+       width=st.integers(0, 2))
+def test_concat_aux_is_taken_exactly_with_the_microbatch_leading_axis(k, m, delta, width):
+    """``has_aux="concat"`` needs each leaf's leading axis to be the micro-batch size ``m``
+    (per example); then the leaf comes back whole, in batch order."""
+    x = np.arange(k * m * D, dtype=np.float32).reshape(k * m, D) / 7
+
+    def loss(w, xs):
+        per = xs[:, 0] * 2 + w[0]
+        if width:
+            per = jnp.stack([per] * width, axis=1)
+        if delta == "scalar":
+            leaf = per.sum()
+        elif delta == 1:
+            leaf = jnp.concatenate([per, per[:1]])
+        elif delta == -1:
+            leaf = per[:-1]
+        else:
+            leaf = per
+        return jnp.mean(xs @ w), leaf
+
+    fn = jax.jit(jaxaccum.value_and_grad(loss, num_microbatches=k, has_aux="concat"))
+    w = jnp.zeros(D)
+    got: list[Any] = []
+    valid = delta == 0 and not (m == 1 and delta == -1)
+    assert accepts(lambda: got.append(fn(w, x))) == valid, (k, m, delta, width)
+    if valid:
+        (_, aux), _ = got[0]
+        want = x[:, 0].astype(np.float64) * 2
+        if width:
+            want = np.stack([want] * width, axis=1)
+        np.testing.assert_array_equal(np.asarray(aux), want.astype(np.float32))
+
+
+@pytest.mark.parametrize("counts", [{}, {"num_microbatches": 4}, {"microbatch_size": 2},
+                                    {"num_microbatches": 4, "microbatch_size": 2}])
+@pytest.mark.parametrize("with_step", [True, False])
+def test_check_takes_one_count_and_with_a_step_none(with_step, counts):
+    """``check``: the options need exactly one count, or none at all when ``step`` is given
+    (the step splits the batch itself); taken, a correct step passes."""
+
+    def loss(w, x):
+        return jnp.mean((x @ w - 1.0) ** 2)
+
+    w, x = jnp.ones(3) / 2, jnp.arange(24.0).reshape(8, 3) / 10
+    step = jaxaccum.value_and_grad(loss, num_microbatches=4) if with_step else None
+    reports: list[Any] = []
+    valid = len(counts) == 1 or (with_step and not counts)
+    assert accepts(lambda: reports.append(jaxaccum.check(loss, w, x, step=step, **counts))) \
+        == valid, (with_step, counts)
+    if valid:
+        assert reports[0].ok, reports[0].problems
+
+
+# --- packing ------------------------------------------------------------------------------------
+
+FIELDS = ("tokens", "segment_ids", "positions", "sequence_index")
+
+
+@settings(max_examples=40, deadline=None)
+@given(names=st.lists(st.sampled_from([*FIELDS, "num_microbatches", "fill", "token", ""]),
+                      max_size=4))
+def test_packed_microbatches_takes_exactly_the_array_fields(names):
+    """``Packed.microbatches(*fields)``: any of its array fields, in the order named (none:
+    tokens, segment_ids, positions); the count is ``num_microbatches`` as int32."""
+    packed = packing.pack([np.arange(1, 4), np.arange(1, 6), np.arange(2, 4)], rows=1,
+                          length=5, max_microbatches=4)
+    got: list[Any] = []
+    valid = all(n in FIELDS for n in names)
+    assert accepts(lambda: got.append(packed.microbatches(*names))) == valid, names
+    if valid:
+        mb = got[0]
+        wanted = names or ["tokens", "segment_ids", "positions"]
+        assert len(mb.data) == len(wanted)
+        for array, name in zip(mb.data, wanted, strict=True):
+            np.testing.assert_array_equal(array, getattr(packed, name))
+        assert np.asarray(mb.count).dtype == np.int32
+        assert int(mb.count) == packed.num_microbatches
+
+
+SEQS = [np.arange(1, 1 + n) + 10 * i for i, n in enumerate([3, 4, 2, 5, 1, 3, 2, 4])]
+
+
+@settings(max_examples=60, deadline=None)
+@given(arrived=st.integers(0, 6), lookahead=st.integers(1, 3),
+       waiting=st.lists(st.integers(-1, 7), max_size=4))
+def test_a_stream_state_is_taken_exactly_when_it_is_one_and_resumes_exactly(
+        arrived, lookahead, waiting):
+    """``pack_stream(state=...)``: a state holds at most ``lookahead`` waiting sequences,
+    distinct, each with an index below ``arrived``; resumed on the stream from ``arrived``
+    on, it packs each waiting sequence and each later one exactly once, whole."""
+    state = {"arrived": arrived,
+             "waiting": [[i, SEQS[i].tolist() if 0 <= i < len(SEQS) else [1]] for i in waiting]}
+    state = json.loads(json.dumps(state))
+    valid = (len(waiting) <= lookahead and len(set(waiting)) == len(waiting)
+             and all(0 <= i < arrived for i in waiting))
+    steps: list[Any] = []
+
+    def resume() -> None:
+        stream = packing.pack_stream(iter(SEQS[arrived:]), rows=1, length=5,
+                                     max_microbatches=2, lookahead=lookahead, state=state)
+        steps.extend(stream)
+
+    assert accepts(resume) == valid, (arrived, lookahead, waiting)
+    if valid:
+        seen: dict[int, list[int]] = {}
+        for p in steps:
+            real = p.segment_ids > 0
+            for i in np.unique(p.sequence_index[real]).tolist():
+                at = real & (p.sequence_index == i)
+                assert i not in seen, f"sequence {i} packed twice"
+                order = np.argsort(p.positions[at], kind="stable")
+                seen[i] = p.tokens[at][order].tolist()
+        assert sorted(seen) == sorted([*waiting, *range(arrived, len(SEQS))])
+        for i, tokens in seen.items():
+            assert tokens == SEQS[i].tolist(), i
+
+
+@settings(max_examples=40, deadline=None)
+@given(shape=st.lists(st.integers(1, 4), max_size=3), other=st.sampled_from([None, None, 1, 0]),
+       which=st.sampled_from(["token_mean", "sequence_mean"]))
+def test_packed_losses_take_exactly_one_shape_with_a_length_axis(shape, other, which):
+    """``token_mean``/``sequence_mean``: the loss and the segment ids share one shape
+    ``(..., length)``; then the mean is over the real tokens (or the sequences' means), with
+    their count."""
+    rng = np.random.default_rng(len(shape))
+    ids = min(3, shape[-1] + 1) if shape else 3  # ids in 0..length (the Args)
+    seg = rng.integers(0, ids, size=shape).astype(np.int32)
+    seg_shape = (list(shape) if other is None else
+                 [*shape[:-1], shape[-1] + 1] if shape and other == 1 else [*shape, 2])
+    seg_given = rng.integers(0, 3, size=seg_shape).astype(np.int32) if other is not None else seg
+    loss = rng.normal(size=shape).astype(np.float32)
+    valid = other is None and len(shape) >= 1
+    got: list[Any] = []
+    fn = getattr(packing, which)
+    assert accepts(lambda: got.append(fn(loss, seg_given))) == valid, (shape, seg_shape)
+    if valid:
+        value, count = got[0]
+        lengths = shape[-1]
+        rows_l = loss.reshape(-1, lengths).astype(np.float64)
+        rows_s = seg.reshape(-1, lengths)
+        if which == "token_mean":
+            real = rows_s > 0
+            want_count = int(real.sum())
+            want = rows_l[real].sum() / max(want_count, 1) if want_count else 0.0
+        else:
+            means = [rows_l[r][rows_s[r] == s].mean() for r in range(len(rows_s))
+                     for s in np.unique(rows_s[r]) if s > 0]
+            want_count = len(means)
+            want = float(np.mean(means)) if means else 0.0
+        assert int(count) == want_count
+        assert abs(float(value) - want) <= 8 * np.finfo(np.float32).eps * (
+            1 + np.abs(rows_l).max()), (float(value), want)  # (0 with none)
+
+
+@settings(max_examples=30, deadline=None)
+@given(shape=st.lists(st.integers(1, 5), max_size=3))
+def test_attention_mask_takes_exactly_ids_with_a_length_axis(shape):
+    """``attention_mask``: ids of shape ``(..., length)``; token ``i`` sees token ``j`` when
+    ``j <= i`` and both are in the same (real) segment."""
+    seg = np.random.default_rng(len(shape)).integers(0, 3, size=shape).astype(np.int32)
+    got: list[Any] = []
+    assert accepts(lambda: got.append(packing.attention_mask(seg))) == (len(shape) >= 1), shape
+    if shape:
+        i, j = np.arange(shape[-1])[:, None], np.arange(shape[-1])[None, :]
+        want = ((seg[..., :, None] == seg[..., None, :]) & (seg[..., :, None] > 0)
+                & (j <= i))
+        np.testing.assert_array_equal(np.asarray(got[0]), want)
+
+
+
+@pytest.mark.parametrize("stateful", [False, True])
+def test_an_nnx_module_runs_on_auto_axes_exactly_when_it_carries_no_state(stateful):
+    """On Auto axes each device sees only its share of a micro-batch, so state carried from
+    one micro-batch to the next (BatchNorm statistics) is refused, naming the module's state
+    and the Explicit mesh that takes it; a module with nothing beside its parameters runs,
+    and its gradient is the one-device one."""
+    from flax import nnx
+
+    class Model(nnx.Module):
+        def __init__(self) -> None:
+            self.w = nnx.Param(jnp.arange(1.0, 1.0 + D) / 4)
+            self.count = nnx.BatchStat(jnp.zeros(())) if stateful else None
+
+        def __call__(self, x: jax.Array) -> jax.Array:
+            if self.count is not None:
+                self.count[...] += 1.0
+            return x @ self.w[...]
+
+    def loss(model: Model, batch: Any) -> jax.Array:
+        return jnp.mean((model(batch[0]) - batch[1]) ** 2)
+
+    x = np.random.default_rng(0).normal(size=(8, D)).astype(np.float32)
+    batch = (x, x[:, 0])
+    mesh = one_device_mesh(("data",), AxisType.Auto)
+    fn = jaxaccum.nnx.value_and_grad(loss, num_microbatches=2, mesh=mesh)
+    got: list[Any] = []
+    assert accepts(lambda: got.append(fn(Model(), batch))) == (not stateful)
+    if stateful:
+        with pytest.raises(ValueError, match=r"^jaxaccum\.nnx\.value_and_grad: the module's "
+                           r"state .*Auto.*use a mesh with Explicit axes"):
+            fn(Model(), batch)
+    else:
+        want = nnx.value_and_grad(loss)(Model(), batch)
+        assert abs(float(got[0][0]) - float(want[0])) <= 1e-6
+        np.testing.assert_allclose(np.asarray(got[0][1]["w"][...]),
+                                   np.asarray(want[1]["w"][...]), rtol=1e-6, atol=1e-7)
