@@ -150,13 +150,17 @@ def test_an_explicit_mesh_needs_that_mesh_in_context_unless_a_step_sets_it(front
 
 
 def check_result(s: Scenario, got: dict[str, Any]) -> bool:
-    """The loss and (for the steps) the parameters after SGD(1) against float64."""
+    """The loss, and the gradient or (for the steps) the parameters after SGD(1), against
+    float64: the float32 error of a mean of 4 terms, with margin."""
     x, y, w = (np.asarray(a, np.float64) for a in (s.x, s.y, s.w))
     r = x @ w - y
     grads = 2 * (r[:, None] * x).mean(0)
     loss = float(np.mean(r**2))
     bound = 16 * np.finfo(np.float32).eps * (1 + np.mean(r**2))
     assert abs(float(got["value"]) - loss) <= bound, (float(got["value"]), loss)
+    if "grads" in got:
+        np.testing.assert_allclose(np.asarray(got["grads"], np.float64), grads, rtol=0,
+                                   atol=bound * (1 + float(np.max(np.abs(x)))))
     if "params" in got:
         np.testing.assert_allclose(np.asarray(got["params"], np.float64), w - grads,
                                    rtol=0, atol=bound * (1 + float(np.max(np.abs(x)))))

@@ -22,7 +22,8 @@ from typing import Any
 # or JAX says so at once). Loud by construction; reported apart from the crashes a test
 # provoked.
 INCOMPETENT = ("unsupported operand type", "not supported between instances",
-               "does not accept dtype", "bad operand type", "not supported for the input types")
+               "does not accept dtype", "bad operand type", "not supported for the input types",
+               "unreduced rule for")  # (JAX: no such operator on an unreduced array)
 
 
 def key(diff: str) -> tuple[str, ...]:
