@@ -181,8 +181,9 @@ def value_and_grad(
       batch_argnums: positions in ``loss_fn``'s arguments (>= 1) of the batch arguments.
       return_info: also return a :class:`jaxaccum.StepInfo`, as
         :func:`jaxaccum.value_and_grad` does.
-      **options: the accumulation options (:class:`jaxaccum.Options`); carried state needs
-        Explicit mesh axes.
+      **options: the accumulation options (:class:`jaxaccum.Options`). On a mesh with Auto
+        axes only a module with no variables beside the ``wrt`` ones runs: carried variables
+        (BatchNorm statistics, RNG counts) need Explicit axes.
 
     Returns:
       A function ``(model, batch, *rest, **kwargs) -> (value, grads)`` that updates
