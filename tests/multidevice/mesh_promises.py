@@ -5,6 +5,7 @@ device's NaN partial gradient, and an Explicit FSDP gradient reduce-scattered.""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import jax
@@ -86,7 +87,7 @@ def auto(out: dict[str, Any]) -> None:
         # ZeRO-3: the gather of each FSDP kernel stays in the loop
         sharded = {k: put(mesh, v, P("data", None)) for k, v in PARAMS.items()}
         opt, zero3 = optax.sgd(0.1), {}
-        for option in ("step", "microbatch"):
+        for option in json.loads('["step", "microbatch"]'):  # as read from a config file
             dp = jaxaccum.DataParallel(mesh, fsdp=option)
             step = jaxaccum.train_step(loss, opt, num_microbatches=4, mesh=dp)
             compiled = step.lower(sharded, opt.init(sharded),
