@@ -22,6 +22,9 @@ settings.register_profile("no-shrink", phases=(Phase.explicit, Phase.reuse, Phas
 if os.environ.get("JAXACCUM_HYPOTHESIS_PROFILE"):
     settings.load_profile(os.environ["JAXACCUM_HYPOTHESIS_PROFILE"])
 
+# the reference model's checks live in a helper module: rewritten, their failures say why
+pytest.register_assert_rewrite("reference")
+
 jax.config.update("jax_default_matmul_precision", "highest")
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

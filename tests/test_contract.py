@@ -257,6 +257,40 @@ def test_every_step_sets_an_explicit_mesh_itself():
         assert float(value) == pytest.approx(full, rel=1e-5), name
 
 
+@pytest.mark.parametrize("front", ["value_and_grad", "train_step"])
+def test_a_sharding_error_of_the_model_reaches_the_user_as_jax_raised_it(front):
+    """jaxaccum tries a few ways of typing the parameters on Explicit axes and moves on when
+    JAX refuses one; an error of the model itself (here an illegally sharded product) must
+    still reach the user as JAX's own error, as ``jax.grad`` gives it, not be swallowed or
+    replaced."""
+    mesh = jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+
+    def bad_loss(w, x):
+        y = x @ w
+        return jnp.mean(y * jax.sharding.reshard(y, jax.sharding.PartitionSpec(None, "data")))
+
+    w, x = jnp.ones((4, 3)), jnp.ones((8, 4))
+    errors = []
+    with jax.set_mesh(mesh):
+        x = jax.device_put(x, jax.sharding.PartitionSpec("data"))
+        for call in (lambda: jax.jit(jax.grad(bad_loss))(w, x),
+                     lambda: jax.jit(jaxaccum.value_and_grad(
+                         bad_loss, num_microbatches=2, mesh=mesh))(w, x)
+                     if front == "value_and_grad" else jaxaccum.train_step(
+                         bad_loss, optax.sgd(0.1), num_microbatches=2, mesh=mesh)(
+                         w, optax.sgd(0.1).init(w), x)):
+            try:
+                call()
+            except Exception as error:  # noqa: BLE001 - the point is which error
+                errors.append(error)
+            else:
+                errors.append(None)
+    plain, ours = errors
+    assert type(plain).__name__ == "ShardingTypeError", plain
+    assert type(ours) is type(plain), f"{type(ours).__name__}: {ours}"
+    assert "illegally sharded" in str(ours), ours
+
+
 def test_check_takes_a_step_without_a_count_and_a_zero_gradient_quietly():
     step = jaxaccum.value_and_grad(loss, num_microbatches=4)
     report = jaxaccum.check(loss, W, batch(), step=step)

@@ -5,7 +5,8 @@ first failure: a mutant that crashes one test and fails an assertion in a later 
 by that assertion, as a full run would show (up to 5 tests failed on other exceptions: then the
 session stops, the mutant crashed).
 
-An assertion is an ``AssertionError`` (a multi-device program that failed on one included:
+An assertion is an ``AssertionError`` raised outside the library (one that the library's own
+code raises is a crash; a multi-device program that failed on one included:
 ``tests/launcher.py`` raises ``ProgramAssertionError`` then), pytest's ``Failed`` (a
 ``pytest.raises`` that did not raise) or a doctest whose output differs; a doctest that raised
 is judged by what it raised. The refusal of valid input (``conftest.py`` fails it as an
@@ -42,8 +43,22 @@ def _leaves(error: BaseException) -> list[BaseException]:
     return [error]
 
 
+LIBRARY = os.path.join(os.getcwd(), "jaxaccum") + os.sep  # the checkout under test
+
+
+def _raised_in_library(error: BaseException) -> bool:
+    """Whether ``error`` was raised by the library's own code (its innermost frame is in
+    ``jaxaccum/``): an ``assert`` or ``AssertionError`` there is a crash of the library, not a
+    test's check."""
+    tb, where = error.__traceback__, ""
+    while tb is not None:
+        where, tb = tb.tb_frame.f_code.co_filename, tb.tb_next
+    return os.path.abspath(where).startswith(LIBRARY)
+
+
 def _asserted(error: BaseException) -> bool:
-    return isinstance(error, (AssertionError, pytest.fail.Exception, doctest.DocTestFailure))
+    return isinstance(error, (AssertionError, pytest.fail.Exception, doctest.DocTestFailure)) \
+        and not _raised_in_library(error)
 
 
 def _write(record: dict[str, Any]) -> None:
