@@ -41,12 +41,22 @@ def failed_on(stderr: str) -> str:
     return next((line for line in rest.splitlines()[1:] if line and not line[0].isspace()), "")
 
 
-def raised_in_library(stderr: str) -> bool:
-    """Whether the last traceback's innermost frame is in the library (``jaxaccum/``): an
-    ``AssertionError`` raised there is a crash of the library, not a program's check."""
-    _, _, rest = stderr.rpartition("Traceback (most recent call last):")
-    files = re.findall(r'^\s*File "([^"]+)"', rest, flags=re.MULTILINE)
-    return bool(files) and os.path.abspath(files[-1]).startswith(str(ROOT / "jaxaccum") + os.sep)
+LIBRARY = str(ROOT / "jaxaccum") + os.sep
+
+
+def raised_in_library(error: BaseException | str) -> bool:
+    """Whether an exception (or the last traceback of a program's stderr) was raised by the
+    library's own code, its innermost frame in ``jaxaccum/``: an ``assert`` or
+    ``AssertionError`` there is a crash of the library, not a test's check."""
+    if isinstance(error, str):
+        _, _, rest = error.rpartition("Traceback (most recent call last):")
+        files = re.findall(r'^\s*File "([^"]+)"', rest, flags=re.MULTILINE)
+        where = files[-1] if files else ""
+    else:
+        tb, where = error.__traceback__, ""
+        while tb is not None:
+            where, tb = tb.tb_frame.f_code.co_filename, tb.tb_next
+    return bool(where) and os.path.abspath(where).startswith(LIBRARY)
 
 
 def free_port() -> int:

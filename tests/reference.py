@@ -411,9 +411,15 @@ STEPS = ("train_step", "nnx.train_step", "linen.train_step")
 
 def check(front: str, s: Scenario, mesh: Any = None) -> None:
     """Asserts that ``front`` gives what the reference model says for ``s`` (on ``mesh``)."""
-    want = expected(s)
     with contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh):
         got = run(front, s, mesh)  # a refusal of this valid input fails (conftest)
+    verify(front, s, got)
+
+
+def verify(front: str, s: Scenario, got: dict[str, Any]) -> None:
+    """Asserts that ``got`` (what :func:`run` returned for ``front``) is what the reference
+    model says for ``s``."""
+    want = expected(s)
     info = got["info"]
     # one contract: the info's fields and dtypes, whatever the options
     assert isinstance(info, jaxaccum.StepInfo), type(info)

@@ -23,6 +23,9 @@ from typing import Any
 
 import pytest
 
+# (verdict.py runs pytest in the checkout's root: its tests/ is importable)
+from tests.launcher import raised_in_library
+
 REFUSED = "jaxaccum refused valid input"
 # a mutant that crashes this many tests is judged by them (time on 2 cores);
 # JAXACCUM_MUTATION_MAX_CRASHES=0 runs the whole selection (no limit)
@@ -43,22 +46,9 @@ def _leaves(error: BaseException) -> list[BaseException]:
     return [error]
 
 
-LIBRARY = os.path.join(os.getcwd(), "jaxaccum") + os.sep  # the checkout under test
-
-
-def _raised_in_library(error: BaseException) -> bool:
-    """Whether ``error`` was raised by the library's own code (its innermost frame is in
-    ``jaxaccum/``): an ``assert`` or ``AssertionError`` there is a crash of the library, not a
-    test's check."""
-    tb, where = error.__traceback__, ""
-    while tb is not None:
-        where, tb = tb.tb_frame.f_code.co_filename, tb.tb_next
-    return os.path.abspath(where).startswith(LIBRARY)
-
-
 def _asserted(error: BaseException) -> bool:
     return isinstance(error, (AssertionError, pytest.fail.Exception, doctest.DocTestFailure)) \
-        and not _raised_in_library(error)
+        and not raised_in_library(error)
 
 
 def _write(record: dict[str, Any]) -> None:

@@ -72,15 +72,6 @@ def rel_diff(actual: Any, expected: Any) -> float:
     return diff / max(float(np.max(np.abs(np.asarray(e)))) for e in jax.tree.leaves(expected))
 
 
-def raised_in_library(error: BaseException) -> bool:
-    """Whether ``error`` was raised by the library's own code (its innermost frame in
-    ``jaxaccum/``): an ``AssertionError`` there is a crash, not a check of the program's."""
-    tb, where = error.__traceback__, ""
-    while tb is not None:
-        where, tb = tb.tb_frame.f_code.co_filename, tb.tb_next
-    return os.path.abspath(where).startswith(os.path.dirname(jaxaccum.__file__) + os.sep)
-
-
 def process_index() -> int:
     """This process's index among the launcher's processes (0 when started alone)."""
     return int(os.environ.get(PROCESS_ID, "0"))

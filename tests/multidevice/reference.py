@@ -18,9 +18,10 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxaccum
+from tests.launcher import raised_in_library
 from tests.reference import REDUCTIONS, D, Scenario, check
 
-from .common import emit, raised_in_library
+from .common import emit
 
 DEVICES = 8
 LEAVES = {"res": ("stack", "concat"), "avg": REDUCTIONS[2:], "pos": ("stack", "sum", "mean",
