@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import bisect
 import math
+import mmap
+import threading
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, NamedTuple
 
@@ -33,6 +35,9 @@ PACK_STREAM = "jaxaccum.packing.pack_stream"
 PACK_EPOCH = "jaxaccum.packing.pack_epoch"
 _BLOCK_TOKENS = 1 << 17  # pack's rows are written this many tokens (2 MiB) at a time
 _INT32 = np.iinfo(np.int32)
+# token arrays already int32-safe: a 1-D array of these needs no range check nor copy
+_NARROW = frozenset(np.dtype(t) for t in (np.int8, np.int16, np.int32, np.uint8, np.uint16))
+_MAPPED_BYTES = 1 << 22  # output arrays this large are mapped (see _empty), smaller malloc'd
 
 
 class Packed(NamedTuple):
@@ -154,6 +159,9 @@ class _BestFit:
 
 def _sequence(entry: str, value: Any, index: int, length: int) -> np.ndarray:
     """One input sequence, checked, as a 1-D int32 array."""
+    if (type(value) is np.ndarray and value.dtype in _NARROW and value.ndim == 1
+            and 0 < value.size <= length):
+        return value.astype(np.int32, copy=False)  # the common case, without the checks below
     where = f"{entry}: sequences[{index}]"
     try:
         seq = np.asarray(value)
@@ -201,8 +209,22 @@ def _pad_id(entry: str, pad_id: Any) -> int:
 
 
 def _empty(num_rows: int, length: int) -> tuple[np.ndarray, ...]:
-    """Rows to be written: tokens, segment ids, positions, sequence indices."""
-    return tuple(np.empty((num_rows, length), np.int32) for _ in range(4))
+    """Rows to be written: tokens, segment ids, positions, sequence indices.
+
+    A large output is one anonymous mapping, not NumPy's allocation: NumPy asks the kernel for
+    huge pages (``madvise``), and on a machine whose free memory is fragmented the first
+    write then waits for the kernel to compact memory (seconds for a corpus-sized output). A
+    plain mapping gets huge pages only when they are free and never waits for them."""
+    nbytes = 4 * num_rows * length
+    if nbytes < _MAPPED_BYTES:
+        return tuple(np.empty((num_rows, length), np.int32) for _ in range(4))
+    flags = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
+    # one mapping an array (each freed with its array), kept alive by the array
+    return tuple(
+        np.frombuffer(mmap.mmap(-1, nbytes, flags=flags) if flags else mmap.mmap(-1, nbytes),
+                      np.int32).reshape(num_rows, length)
+        for _ in range(4)
+    )
 
 
 def _pad(out: tuple[np.ndarray, ...], pad_id: int) -> tuple[np.ndarray, ...]:
@@ -263,6 +285,54 @@ def _packed(out: tuple[np.ndarray, ...], num_rows: int, *, microbatches: int,
                   num_microbatches=-(-num_rows // rows))
 
 
+class _Padder:
+    """Pads ``out`` block by block (``per`` rows) on a thread of its own, then the rows past
+    the first ``blocks`` blocks; :meth:`wait` returns once the next block is padded.
+
+    NumPy releases the GIL while it fills, so on a second core the padding (the first touch of
+    fresh memory: the kernel's page faults) overlaps the writing of the blocks before it. Used
+    as a context manager, which waits for the thread on leaving; an exception on the thread is
+    raised by :meth:`wait` (or on leaving)."""
+
+    def __init__(self, out: tuple[np.ndarray, ...], pad_id: int, per: int, blocks: int) -> None:
+        self._ready = threading.Semaphore(0)
+        self._blocks = blocks
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(out, pad_id, per),
+                                        name=f"{PACK} padding", daemon=True)
+
+    def _run(self, out: tuple[np.ndarray, ...], pad_id: int, per: int) -> None:
+        released = 0
+        try:
+            for block in range(self._blocks):
+                _pad(tuple(a[block * per:(block + 1) * per] for a in out), pad_id)
+                self._ready.release()
+                released += 1
+            _pad(tuple(a[self._blocks * per:] for a in out), pad_id)  # the micro-batches unused
+        except BaseException as e:  # handed to the waiting thread, which would wait forever
+            self._error = e
+            if released < self._blocks:
+                self._ready.release(self._blocks - released)
+
+    def wait(self) -> None:
+        self._ready.acquire()
+        if self._error is not None:
+            raise self._error
+
+    def __enter__(self) -> _Padder:
+        if self._blocks > 1:
+            self._thread.start()
+        else:  # nothing to overlap: padded here, without a thread's start-up (~0.1 ms)
+            self._thread.run()
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, *exc: object) -> None:
+        if self._thread.ident is not None:
+            self._thread.join()
+        if kind is None and self._error is not None:
+            raise self._error
+
+
 def _blocks(row_of: np.ndarray, num_rows: int, per: int) -> Iterator[tuple[np.ndarray, int]]:
     """The sequences of each block of ``per`` rows (in row order, then input order) and the
     block's first row."""
@@ -312,9 +382,10 @@ def pack(    sequences: Sequence[Any],
     in input order, padding last; rows are numbered in the order opened and grouped in that
     order, so only the last used micro-batch can hold all-padding rows. Memory: the output
     (16 bytes a slot) and the plan (about 100 bytes a sequence), the rows being written a
-    block of about 2^17 tokens at a time. On a large corpus most of the time is the
-    operating system handing out the output's fresh memory (16 bytes a slot):
-    :func:`pack_epoch` yields the same rows a step at a time, in one step's memory.
+    block of about 2^17 tokens at a time, while a second thread writes the padding ahead of
+    them: the first touch of the fresh output memory (16 bytes a slot), which costs the
+    operating system as much as the writing, overlaps it on a second core. To keep memory
+    bounded, :func:`pack_epoch` yields the same rows a step at a time, in one step's memory.
 
     Args:
       sequences: a list of 1-D integer arrays of token ids, each of 1 to ``length`` tokens.
@@ -373,13 +444,15 @@ def pack(    sequences: Sequence[Any],
         )
     microbatches = used if max_microbatches is None else max_microbatches
     out = _empty(microbatches * rows, length)
-    # a block of rows at a time, padded and then written while it is in cache: each slot is
-    # written twice at most, the temporaries stay ~2^17 tokens whatever the corpus
+    # a block of rows at a time, padded and then written: each slot is written twice at most,
+    # the temporaries stay ~2^17 tokens whatever the corpus. Padding, the pass that first
+    # touches (page-faults) the fresh output, runs on a second thread a block ahead.
     per = max(1, _BLOCK_TOKENS // length)
-    for index, base in _blocks(row_of, num_rows, per):
-        block = _pad(tuple(a[base:base + per] for a in out), pad)
-        _fill(block, [seqs[i] for i in index], index, row_of[index] - base)
-    _pad(tuple(a[-(-num_rows // per) * per:] for a in out), pad)  # the micro-batches unused
+    with _Padder(out, pad, per, -(-num_rows // per)) as padded:
+        for index, base in _blocks(row_of, num_rows, per):
+            padded.wait()
+            _fill(tuple(a[base:base + per] for a in out), [seqs[i] for i in index], index,
+                  row_of[index] - base)
     return _packed(out, num_rows, microbatches=microbatches, rows=rows)
 
 

@@ -360,3 +360,43 @@ def test_an_nnx_module_runs_on_auto_axes_exactly_when_it_carries_no_state(front)
     with pytest.raises(ValueError, match=rf"^jaxaccum\.{front}: the module's state .*Auto.*"
                        r"use a mesh with Explicit axes"):
         call()
+
+
+INTEGER_DTYPES = ["int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64"]
+
+
+@settings(max_examples=80, deadline=None)
+@given(dtype=st.sampled_from([*INTEGER_DTYPES, "float32", "bool"]),
+       shape=st.sampled_from([(), (0,), (1,), (3,), (4,), (5,), (2, 2)]),
+       big=st.sampled_from([None, -(2**31) - 1, 2**31, 2**31 - 1, -(2**31)]),
+       as_list=st.booleans(), entry=st.sampled_from(["pack", "pack_epoch", "pack_stream"]))
+def test_a_sequence_is_taken_exactly_when_it_is_1d_integer_ids_that_fit(
+        dtype, shape, big, as_list, entry):
+    """Every packer's ``sequences``: each one a 1-D array (or list) of 1 to ``length`` integer
+    token ids within int32, whatever its integer dtype; anything else refused. An accepted one
+    comes out whole, in one row, its ids unchanged."""
+    length = 4
+    seq = np.arange(1, 1 + int(np.prod(shape))).reshape(shape).astype(dtype)
+    if big is not None and seq.size and np.can_cast(np.min_scalar_type(big), seq.dtype):
+        seq.flat[-1] = big
+    value: Any = seq.tolist() if as_list else seq
+    ids = np.asarray(value)
+    valid = (ids.ndim == 1 and 1 <= ids.size <= length and ids.dtype.kind in "iu"
+             and bool(np.all(ids >= -(2**31))) and bool(np.all(ids <= 2**31 - 1)))
+    seqs = [np.array([9], np.int32), value]
+    out: list[packing.Packed] = []
+
+    def call() -> None:
+        if entry == "pack":
+            out.append(packing.pack(seqs, rows=1, length=length))
+        elif entry == "pack_epoch":
+            out.extend(packing.pack_epoch(seqs, rows=1, length=length, max_microbatches=2))
+        else:
+            out.extend(packing.pack_stream(iter(seqs), rows=1, length=length,
+                                           max_microbatches=2))
+
+    assert accepts(call) == valid, (dtype, shape, big, as_list, entry)
+    if valid:
+        found = [p.tokens[p.sequence_index == 1].tolist() for p in out]
+        assert [t for t in found if t] == [ids.astype(np.int64).tolist()]
+        assert all(p.tokens.dtype == np.int32 for p in out)

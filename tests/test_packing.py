@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 import tracemalloc
 from unittest import mock
 
@@ -205,15 +206,18 @@ def test_inputs_of_other_integer_types():
     spare=st.integers(0, 2),
     seed=st.integers(0, 2**31 - 1),
     block=st.sampled_from([1, 7, 24, None]),
+    mapped=st.booleans(),
     pad_id=st.sampled_from([0, -3]),
 )
-def test_property_layout(lengths, length, rows, spare, seed, block, pad_id):
+def test_property_layout(lengths, length, rows, spare, seed, block, mapped, pad_id):
     """The layout contract, whatever the size of the blocks pack writes its rows in (one row
-    at a time up to all at once: pack's output does not depend on how it is written)."""
+    at a time up to all at once, padded ahead on a second thread or not) and however its
+    output memory is allocated: pack's output does not depend on how it is written."""
     lengths = [min(k, length) for k in lengths]
     seqs = random_sequences(np.random.default_rng(seed), lengths)
     used = pack(seqs, rows=rows, length=length).num_microbatches
-    with mock.patch.object(packing, "_BLOCK_TOKENS", block or packing._BLOCK_TOKENS):
+    with (mock.patch.object(packing, "_BLOCK_TOKENS", block or packing._BLOCK_TOKENS),
+          mock.patch.object(packing, "_MAPPED_BYTES", 1 if mapped else packing._MAPPED_BYTES)):
         packed = pack(seqs, rows=rows, length=length, max_microbatches=max(used + spare, 1),
                       pad_id=pad_id)
     check_packed(packed, seqs, rows=rows, length=length, pad_id=pad_id)
@@ -221,6 +225,26 @@ def test_property_layout(lengths, length, rows, spare, seed, block, pad_id):
     assert fills == naive_best_fit_decreasing(lengths, length)
     assert len(fills) <= len(seqs)  # never more rows than one sequence per row
     assert len(fills) < 2 or fills[0] + fills[1] > length  # any fit: two rows never merge
+
+
+def test_an_error_while_padding_reaches_the_caller():
+    """pack pads on a second thread when it writes several blocks: an exception there is
+    raised by pack (the writer waiting for the next block does not wait forever)."""
+    seqs = random_sequences(np.random.default_rng(0), [3] * 40)
+    calls = []
+
+    def failing_pad(out, pad_id):
+        calls.append(threading.current_thread().name)
+        if len(calls) == 2:
+            raise MemoryError("no memory for the padding")
+        return original(out, pad_id)
+
+    original = packing._pad
+    with (mock.patch.object(packing, "_BLOCK_TOKENS", 8),
+          mock.patch.object(packing, "_pad", failing_pad),
+          pytest.raises(MemoryError, match="no memory for the padding")):
+        pack(seqs, rows=2, length=4)
+    assert calls[1] != threading.current_thread().name  # it did fail on the other thread
 
 
 # --- errors ------------------------------------------------------------------------------------
