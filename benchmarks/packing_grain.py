@@ -46,7 +46,7 @@ checks every output: each corpus token exactly once (jaxaccum: per-sequence toke
 position; Grain: the real-token count, the sums of the token ids and of their squares, and for
 the two whole-sequence packers the histogram of positions, i.e. the multiset of lengths).
 
-About 12 minutes on 2 quiet CPU cores (``--quick``: about 1.5 minutes). Writes
+About 10 minutes on 2 quiet CPU cores (``--quick``: about 1.5 minutes). Writes
 results/packing_grain.json and results/packing_grain.md.
 
     python benchmarks/packing_grain.py [--quick] [--rounds-small 3] [--rounds-big 3]
