@@ -211,15 +211,16 @@ def _pad_id(entry: str, pad_id: Any) -> int:
 def _empty(num_rows: int, length: int) -> tuple[np.ndarray, ...]:
     """Rows to be written: tokens, segment ids, positions, sequence indices.
 
-    A large output is one anonymous mapping, not NumPy's allocation: NumPy asks the kernel for
-    huge pages (``madvise``), and on a machine whose free memory is fragmented the first
-    write then waits for the kernel to compact memory (seconds for a corpus-sized output). A
-    plain mapping gets huge pages only when they are free and never waits for them."""
+    Each array of a large output is an anonymous mapping of its own, not NumPy's allocation:
+    NumPy asks the kernel for huge pages (``madvise``), and on a machine whose free memory is
+    fragmented the first write then waits for the kernel to compact memory (seconds for a
+    corpus-sized output). A plain mapping gets huge pages only when they are free and never
+    waits for them."""
     nbytes = 4 * num_rows * length
     if nbytes < _MAPPED_BYTES:
         return tuple(np.empty((num_rows, length), np.int32) for _ in range(4))
     flags = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
-    # one mapping an array (each freed with its array), kept alive by the array
+    # each mapping is kept alive by its array, and freed with it
     return tuple(
         np.frombuffer(mmap.mmap(-1, nbytes, flags=flags) if flags else mmap.mmap(-1, nbytes),
                       np.int32).reshape(num_rows, length)
@@ -446,7 +447,7 @@ def pack(    sequences: Sequence[Any],
     out = _empty(microbatches * rows, length)
     # a block of rows at a time, padded and then written: each slot is written twice at most,
     # the temporaries stay ~2^17 tokens whatever the corpus. Padding, the pass that first
-    # touches (page-faults) the fresh output, runs on a second thread a block ahead.
+    # touches (page-faults) the fresh output, runs ahead of them on a second thread.
     per = max(1, _BLOCK_TOKENS // length)
     with _Padder(out, pad, per, -(-num_rows // per)) as padded:
         for index, base in _blocks(row_of, num_rows, per):
