@@ -38,6 +38,8 @@ _INT32 = np.iinfo(np.int32)
 # token arrays already int32-safe: a 1-D array of these needs no range check nor copy
 _NARROW = frozenset(np.dtype(t) for t in (np.int8, np.int16, np.int32, np.uint8, np.uint16))
 _MAPPED_BYTES = 1 << 22  # output arrays this large are mapped (see _empty), smaller malloc'd
+# an anonymous private mapping's flags, 0 where there is none (Windows): NumPy allocates then
+_MAP_FLAGS = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS if hasattr(mmap, "MAP_ANONYMOUS") else 0
 
 
 class Packed(NamedTuple):
@@ -217,15 +219,11 @@ def _empty(num_rows: int, length: int) -> tuple[np.ndarray, ...]:
     corpus-sized output). A plain mapping gets huge pages only when they are free and never
     waits for them."""
     nbytes = 4 * num_rows * length
-    if nbytes < _MAPPED_BYTES:
+    if not (_MAP_FLAGS and nbytes and nbytes >= _MAPPED_BYTES):  # (no mapping of 0 bytes)
         return tuple(np.empty((num_rows, length), np.int32) for _ in range(4))
-    flags = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
     # each mapping is kept alive by its array, and freed with it
-    return tuple(
-        np.frombuffer(mmap.mmap(-1, nbytes, flags=flags) if flags else mmap.mmap(-1, nbytes),
-                      np.int32).reshape(num_rows, length)
-        for _ in range(4)
-    )
+    return tuple(np.frombuffer(mmap.mmap(-1, nbytes, flags=_MAP_FLAGS), np.int32)
+                 .reshape(num_rows, length) for _ in range(4))
 
 
 def _pad(out: tuple[np.ndarray, ...], pad_id: int) -> tuple[np.ndarray, ...]:
@@ -334,12 +332,12 @@ class _Padder:
             raise self._error
 
 
-def _blocks(row_of: np.ndarray, num_rows: int, per: int) -> Iterator[tuple[np.ndarray, int]]:
-    """The sequences of each block of ``per`` rows (in row order, then input order) and the
-    block's first row."""
+def _blocks(row_of: np.ndarray, blocks: int, per: int) -> Iterator[tuple[np.ndarray, int]]:
+    """The sequences of each of the first ``blocks`` blocks of ``per`` rows (in row order,
+    then input order) and the block's first row."""
     order = np.argsort(row_of, kind="stable")
-    bounds = np.searchsorted(row_of[order], np.arange(0, num_rows + per, per))
-    for block in range(-(-num_rows // per)):
+    bounds = np.searchsorted(row_of[order], np.arange(0, (blocks + 1) * per, per))
+    for block in range(blocks):
         yield order[bounds[block]:bounds[block + 1]], block * per
 
 
@@ -449,8 +447,9 @@ def pack(    sequences: Sequence[Any],
     # the temporaries stay ~2^17 tokens whatever the corpus. Padding, the pass that first
     # touches (page-faults) the fresh output, runs ahead of them on a second thread.
     per = max(1, _BLOCK_TOKENS // length)
-    with _Padder(out, pad, per, -(-num_rows // per)) as padded:
-        for index, base in _blocks(row_of, num_rows, per):
+    blocks = -(-num_rows // per)  # the padding and the writing take the same blocks
+    with _Padder(out, pad, per, blocks) as padded:
+        for index, base in _blocks(row_of, blocks, per):
             padded.wait()
             _fill(tuple(a[base:base + per] for a in out), [seqs[i] for i in index], index,
                   row_of[index] - base)
@@ -517,7 +516,7 @@ def _epoch_steps(sequences: Sequence[Any], row_of: np.ndarray, num_rows: int, *,
                  length: int, microbatches: int, pad_id: int) -> Iterator[Packed]:
     """Assembles :func:`pack_epoch`'s steps one at a time, from the row of each sequence."""
     per_step = microbatches * rows
-    for index, base in _blocks(row_of, num_rows, per_step):
+    for index, base in _blocks(row_of, -(-num_rows // per_step), per_step):
         seqs = [_sequence(PACK_EPOCH, sequences[i], int(i), length) for i in index]
         yield _assemble(seqs, index, row_of[index] - base, min(num_rows - base, per_step),
                         microbatches=microbatches, rows=rows, length=length, pad_id=pad_id)

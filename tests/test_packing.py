@@ -227,24 +227,37 @@ def test_property_layout(lengths, length, rows, spare, seed, block, mapped, pad_
     assert len(fills) < 2 or fills[0] + fills[1] > length  # any fit: two rows never merge
 
 
-def test_an_error_while_padding_reaches_the_caller():
-    """pack pads on a second thread when it writes several blocks: an exception there is
-    raised by pack (the writer waiting for the next block does not wait forever)."""
-    seqs = random_sequences(np.random.default_rng(0), [3] * 40)
-    calls = []
+@pytest.mark.parametrize("failing", [1, 2, 20, 21])
+def test_an_error_while_padding_reaches_the_caller(failing):
+    """pack pads on a second thread when it writes several blocks: an exception there, at
+    any block or in the unused micro-batches padded last (here once every row is written),
+    is raised by pack (and the writer waiting for the next block does not wait forever)."""
+    seqs = random_sequences(np.random.default_rng(0), [4] * 40)  # 40 rows: 20 blocks of 2
+    calls, written = [], []
+    all_written = threading.Event()
 
     def failing_pad(out, pad_id):
         calls.append(threading.current_thread().name)
-        if len(calls) == 2:
+        if len(calls) == failing:
+            if failing == 21:
+                assert all_written.wait(timeout=60)
             raise MemoryError("no memory for the padding")
-        return original(out, pad_id)
+        return pad(out, pad_id)
 
-    original = packing._pad
+    def counted_fill(*args):
+        fill(*args)
+        written.append(1)
+        if len(written) == 20:
+            all_written.set()
+
+    pad, fill = packing._pad, packing._fill
     with (mock.patch.object(packing, "_BLOCK_TOKENS", 8),
           mock.patch.object(packing, "_pad", failing_pad),
+          mock.patch.object(packing, "_fill", counted_fill),
           pytest.raises(MemoryError, match="no memory for the padding")):
-        pack(seqs, rows=2, length=4)
-    assert calls[1] != threading.current_thread().name  # it did fail on the other thread
+        pack(seqs, rows=4, length=4, max_microbatches=11)
+    assert len(calls) == failing  # the padding stopped at the error
+    assert calls[-1] != threading.current_thread().name  # on the other thread
 
 
 # --- errors ------------------------------------------------------------------------------------
