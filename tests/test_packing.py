@@ -250,12 +250,23 @@ def test_an_error_while_padding_reaches_the_caller(failing):
         if len(written) == 20:
             all_written.set()
 
+    def run():
+        try:
+            pack(seqs, rows=4, length=4, max_microbatches=11)
+        except BaseException as e:  # noqa: BLE001 - judged below
+            raised.append(e)
+
     pad, fill = packing._pad, packing._fill
+    raised: list[BaseException] = []
     with (mock.patch.object(packing, "_BLOCK_TOKENS", 8),
           mock.patch.object(packing, "_pad", failing_pad),
-          mock.patch.object(packing, "_fill", counted_fill),
-          pytest.raises(MemoryError, match="no memory for the padding")):
-        pack(seqs, rows=4, length=4, max_microbatches=11)
+          mock.patch.object(packing, "_fill", counted_fill)):
+        caller = threading.Thread(target=run, daemon=True)
+        caller.start()
+        caller.join(timeout=30)  # a few ms when it works
+        assert not caller.is_alive(), "pack waits forever after an error while padding"
+    assert [type(e) for e in raised] == [MemoryError], raised
+    assert str(raised[0]) == "no memory for the padding"
     assert len(calls) == failing  # the padding stopped at the error
     assert calls[-1] != threading.current_thread().name  # on the other thread
 
