@@ -40,8 +40,15 @@ TESTS = {
     "jaxaccum/_coupled.py": [*REFERENCE, "tests/test_coupled.py", "tests/test_coupled_mesh.py"],
     "jaxaccum/_check.py": ["tests/test_check.py", "tests/test_contract.py", "tests/test_domains.py",
                            "tests/test_coupled_mesh.py"],
-    "jaxaccum/packing.py": ["tests/test_packing.py", "tests/test_grain.py",
-                            "tests/test_domains.py"],
+    # packing's domain tests first: a few seconds, and a refusal of valid input is an
+    # assertion there (elsewhere it is recorded and the run goes on, past the timeout)
+    "jaxaccum/packing.py": [*(f"tests/test_domains.py::{name}" for name in (
+        "test_a_sequence_is_taken_exactly_when_it_is_1d_integer_ids_that_fit",
+        "test_a_stream_state_is_taken_exactly_when_it_is_one_and_resumes_exactly",
+        "test_packed_microbatches_takes_exactly_the_array_fields",
+        "test_packed_losses_take_exactly_one_shape_with_a_length_axis",
+        "test_attention_mask_takes_exactly_ids_with_a_length_axis")),
+        "tests/test_packing.py", "tests/test_grain.py"],
     "jaxaccum/_placement.py": [*REFERENCE, *MESH, "tests/test_guards.py",
                                "tests/test_pipeline_placement.py", "tests/test_data_parallel.py",
                                "tests/test_variable_mesh.py", "tests/test_coupled_mesh.py",
