@@ -234,14 +234,25 @@ def test_packed_microbatches_takes_exactly_the_array_fields(names):
 SEQS = [np.arange(1, 1 + n) + 10 * i for i, n in enumerate([3, 4, 2, 5, 1, 3, 2, 4])]
 
 
+@st.composite
+def stream_states(draw: st.DrawFn) -> tuple[int, int, list[int]]:
+    """(arrived, lookahead, waiting indices): half of them states a stream could have saved
+    (the accepted side, its edges 0 and arrived - 1 included), half anything nearby."""
+    arrived, lookahead = draw(st.integers(0, 6)), draw(st.integers(1, 3))
+    if arrived and draw(st.booleans()):
+        waiting = draw(st.lists(st.integers(0, arrived - 1), unique=True, max_size=lookahead))
+    else:
+        waiting = draw(st.lists(st.integers(-1, 7), max_size=4))
+    return arrived, lookahead, waiting
+
+
 @settings(max_examples=60, deadline=None)
-@given(arrived=st.integers(0, 6), lookahead=st.integers(1, 3),
-       waiting=st.lists(st.integers(-1, 7), max_size=4))
-def test_a_stream_state_is_taken_exactly_when_it_is_one_and_resumes_exactly(
-        arrived, lookahead, waiting):
+@given(stream_states())
+def test_a_stream_state_is_taken_exactly_when_it_is_one_and_resumes_exactly(drawn):
     """``pack_stream(state=...)``: a state holds at most ``lookahead`` waiting sequences,
     distinct, each with an index below ``arrived``; resumed on the stream from ``arrived``
     on, it packs each waiting sequence and each later one exactly once, whole."""
+    arrived, lookahead, waiting = drawn
     state = {"arrived": arrived,
              "waiting": [[i, SEQS[i].tolist() if 0 <= i < len(SEQS) else [1]] for i in waiting]}
     state = json.loads(json.dumps(state))
