@@ -382,8 +382,8 @@ def pack(    sequences: Sequence[Any],
     order, so only the last used micro-batch can hold all-padding rows. Memory: the output
     (16 bytes a slot) and the plan (about 100 bytes a sequence), the rows being written a
     block of about 2^17 tokens at a time, while a second thread writes the padding ahead of
-    them: the first touch of the fresh output memory (16 bytes a slot), which costs the
-    operating system as much as the writing, overlaps it on a second core. To keep memory
+    them: the first touch of the fresh output memory, which costs the operating system as
+    much as the writing, overlaps it on a second core. To keep memory
     bounded, :func:`pack_epoch` yields the same rows a step at a time, in one step's memory.
 
     Args:
