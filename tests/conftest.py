@@ -9,6 +9,14 @@ import re
 import types
 from collections.abc import Iterator
 
+# bfloat16 and float16 are rounded as GPUs and TPUs round them: by default XLA:CPU keeps their
+# intermediate results in float32 ("excess precision"), which hides a missing
+# preferred_element_type or a sum kept in a 16-bit dtype from every CPU test. Set before JAX
+# starts; the multi-device programs inherit it (tests/launcher.py keeps other XLA flags).
+NO_EXCESS_PRECISION = "--xla_allow_excess_precision=false"
+if NO_EXCESS_PRECISION not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {NO_EXCESS_PRECISION}".strip()
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,11 +24,25 @@ import optax
 import pytest
 from hypothesis import Phase, settings
 
-# Mutation testing (benchmarks/mutation/verdict.py) needs a failing example, not the smallest:
-# shrinking would recompile the program for every candidate.
-settings.register_profile("no-shrink", phases=(Phase.explicit, Phase.reuse, Phase.generate))
-if os.environ.get("JAXACCUM_HYPOTHESIS_PROFILE"):
-    settings.load_profile(os.environ["JAXACCUM_HYPOTHESIS_PROFILE"])
+# Hypothesis profiles (JAXACCUM_HYPOTHESIS_PROFILE; "ci" unless set):
+# - "ci", the default: derandomized (every run, CI's included, sees the same examples, so a
+#   failure reproduces and a pass means the same thing each time) with each test's own count;
+# - "deep": random draws, EXAMPLES_SCALE (10) times each test's count, for longer local runs;
+# - "no-shrink": mutation testing (benchmarks/mutation/verdict.py) needs a failing example, not
+#   the smallest: shrinking would recompile the program for every candidate. Derandomized too.
+settings.register_profile("ci", derandomize=True, deadline=None)
+settings.register_profile("deep", derandomize=False, deadline=None)
+settings.register_profile("no-shrink", derandomize=True, deadline=None,
+                          phases=(Phase.explicit, Phase.reuse, Phase.generate))
+HYPOTHESIS_PROFILE = os.environ.get("JAXACCUM_HYPOTHESIS_PROFILE", "ci")
+settings.load_profile(HYPOTHESIS_PROFILE)
+EXAMPLES_SCALE = 10 if HYPOTHESIS_PROFILE == "deep" else 1
+
+
+def examples(n: int) -> int:
+    """A test's number of Hypothesis examples under the loaded profile: ``n`` in CI, ten times
+    that in the "deep" profile. Use it for every ``max_examples``."""
+    return n * EXAMPLES_SCALE
 
 # the reference model's checks live in a helper module: rewritten, their failures say why
 pytest.register_assert_rewrite("reference")
@@ -206,37 +228,44 @@ def mnist_unavailable(why: str) -> None:
     if os.environ.get("JAXACCUM_REQUIRE_MNIST") == "1":
         pytest.fail(f"{why} (JAXACCUM_REQUIRE_MNIST=1: the MNIST tests must run here)")
     pytest.skip(f"{why}; to run the MNIST tests set JAXACCUM_MNIST_DIR to a folder holding the "
-                "four MNIST .gz files, or run them once with network access (tensorflow-"
-                "datasets downloads MNIST into its cache)")
+                "four MNIST .gz files, or run them once with network access (MNIST is then "
+                "prepared in tensorflow-datasets' data_dir, $TFDS_DATA_DIR or "
+                "~/tensorflow_datasets, and read from there)")
 
 
 @pytest.fixture(scope="session")
-def mnist_files() -> pathlib.Path:
-    """The folder of the four MNIST ``.gz`` files (``$JAXACCUM_MNIST_DIR``)."""
-    manual = os.environ.get("JAXACCUM_MNIST_DIR")
-    if not manual:
-        mnist_unavailable("no MNIST files: JAXACCUM_MNIST_DIR is not set")
-    if not pathlib.Path(str(manual)).is_dir():
-        pytest.fail(f"JAXACCUM_MNIST_DIR={manual} is not a folder")
-    return pathlib.Path(str(manual))
-
-
-@pytest.fixture(scope="session")
-def mnist(tmp_path_factory, request):
-    """Real MNIST: from ``$JAXACCUM_MNIST_DIR`` (prepared once per session in a temporary
-    data_dir), else from tensorflow-datasets' own cache or download."""
+def mnist_data_dir(tmp_path_factory) -> pathlib.Path:
+    """A tensorflow-datasets ``data_dir`` in which MNIST is prepared. With
+    ``$JAXACCUM_MNIST_DIR`` (the four ``.gz`` files): a temporary one, prepared once per session
+    from them. Without: TFDS' own (``$TFDS_DATA_DIR`` or ``~/tensorflow_datasets``), where MNIST
+    is read if prepared there before and otherwise downloaded and prepared."""
     import tensorflow_datasets as tfds
 
-    from jaxaccum.experiment import data, gist
+    from jaxaccum.experiment import data
 
     tfds.disable_progress_bar()
-    if os.environ.get("JAXACCUM_MNIST_DIR"):
-        manual = request.getfixturevalue("mnist_files")
-        return gist.Mnist.load(str(tmp_path_factory.mktemp("tfds")), str(manual))
+    manual = os.environ.get(data.MANUAL_DIR_ENV)
+    if manual:
+        if not pathlib.Path(manual).is_dir():
+            pytest.fail(f"{data.MANUAL_DIR_ENV}={manual} is not a folder")
+        data_dir: pathlib.Path | None = tmp_path_factory.mktemp("tfds")
+    else:
+        data_dir = None  # TFDS' default data_dir, its cache
     try:
-        return gist.Mnist.load()
+        data.mnist("test", data_dir=data_dir, manual_dir=manual or None)  # prepares both splits
     except data.MnistDownloadError as e:
-        mnist_unavailable(f"no MNIST: JAXACCUM_MNIST_DIR is not set and {str(e).splitlines()[0]}")
+        mnist_unavailable(f"no MNIST: {data.MANUAL_DIR_ENV} is not set and "
+                          f"{str(e).splitlines()[0]}")
+    builder = data.JaxaccumMnist(data_dir=None if data_dir is None else str(data_dir))
+    return pathlib.Path(builder.data_dir_root)
+
+
+@pytest.fixture(scope="session")
+def mnist(mnist_data_dir):
+    """Real MNIST (train and test), read from :func:`mnist_data_dir`."""
+    from jaxaccum.experiment import gist
+
+    return gist.Mnist.load(str(mnist_data_dir))
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -11,6 +11,7 @@ import optax
 import pytest
 from conftest import (
     assert_trees_close,
+    examples,
     max_rel_diff,
     mlp_apply,
     mlp_params,
@@ -257,7 +258,7 @@ def test_scalar_batch_leaf():
 # --- property test -----------------------------------------------------------------------
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=examples(25), deadline=None)
 @given(
     data=st.data(),
     micro=st.integers(1, 6),

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import accepts
+from conftest import accepts, examples
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from jax.sharding import AxisType
@@ -31,9 +31,9 @@ from jaxaccum import packing
 D = 3
 
 
-def slow(examples: int) -> settings:
+def slow(count: int) -> settings:
     """Hypothesis settings for examples that compile: no deadline, no too-slow check."""
-    return settings(max_examples=examples, deadline=None,
+    return settings(max_examples=examples(count), deadline=None,
                     suppress_health_check=[HealthCheck.too_slow])
 
 
@@ -210,7 +210,7 @@ def test_check_takes_one_count_and_with_a_step_none(with_step, counts):
 FIELDS = ("tokens", "segment_ids", "positions", "sequence_index")
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(names=st.lists(st.sampled_from([*FIELDS, "num_microbatches", "fill", "token", ""]),
                       max_size=4))
 def test_packed_microbatches_takes_exactly_the_array_fields(names):
@@ -246,7 +246,7 @@ def stream_states(draw: st.DrawFn) -> tuple[int, int, list[int]]:
     return arrived, lookahead, waiting
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(stream_states())
 def test_a_stream_state_is_taken_exactly_when_it_is_one_and_resumes_exactly(drawn):
     """``pack_stream(state=...)``: a state holds at most ``lookahead`` waiting sequences,
@@ -280,7 +280,7 @@ def test_a_stream_state_is_taken_exactly_when_it_is_one_and_resumes_exactly(draw
             assert tokens == SEQS[i].tolist(), i
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(shape=st.lists(st.integers(1, 4), max_size=3), other=st.sampled_from([None, None, 1, 0]),
        which=st.sampled_from(["token_mean", "sequence_mean"]))
 def test_packed_losses_take_exactly_one_shape_with_a_length_axis(shape, other, which):
@@ -320,7 +320,7 @@ def test_packed_losses_take_exactly_one_shape_with_a_length_axis(shape, other, w
         assert abs(float(value) - want) <= bound, (float(value), want)  # (0 with none)
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=examples(30), deadline=None)
 @given(shape=st.lists(st.integers(1, 5), max_size=3))
 def test_attention_mask_takes_exactly_ids_with_a_length_axis(shape):
     """``attention_mask``: ids of shape ``(..., length)``; token ``i`` sees token ``j`` when
@@ -376,7 +376,7 @@ def test_an_nnx_module_runs_on_auto_axes_exactly_when_it_carries_no_state(front)
 INTEGER_DTYPES = ["int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64"]
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=examples(80), deadline=None)
 @given(dtype=st.sampled_from([*INTEGER_DTYPES, "float32", "bool"]),
        shape=st.sampled_from([(), (0,), (1,), (3,), (4,), (5,), (2, 2)]),
        big=st.sampled_from([None, -(2**31) - 1, 2**31, 2**31 - 1, -(2**31)]),

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from conftest import examples
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from reference import FRONT_ENDS, Scenario, check
@@ -70,7 +71,7 @@ def scenarios(draw: Any) -> Scenario:
 
 
 @pytest.mark.parametrize("front", FRONT_ENDS)
-@settings(max_examples=EXAMPLES, deadline=None, derandomize=True, report_multiple_bugs=False,
+@settings(max_examples=examples(EXAMPLES), deadline=None, report_multiple_bugs=False,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(s=scenarios())
 def test_every_front_end_gives_the_documented_result(front, s):

@@ -11,6 +11,7 @@ import optax
 import pytest
 from conftest import (
     assert_within_rounding,
+    examples,
     full_and_reference,
     max_rel_diff,
     mlp_apply,
@@ -166,7 +167,7 @@ def test_microbatches_refuses_leaves_that_are_not_per_example():
             jaxaccum.microbatches(bad, microbatch_size=2, max_microbatches=8)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(real=st.integers(0, 6), m=st.integers(1, 4), spare=st.integers(-2, 3),
        rest=st.integers(0, 3), tail=st.sampled_from([(), (3,), (2, 2)]),
        dtype=st.sampled_from([np.float32, np.int32, np.bool_]))
