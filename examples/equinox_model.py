@@ -5,9 +5,14 @@ A differentiated argument that is an Equinox module is filtered as
 else (the activation function, ints) passes through and gets None in the gradient. So the
 gradient is a module like the model, ready for optax and ``eqx.apply_updates``.
 
+``jaxaccum.train_step`` takes the module whole too and returns the updated module. Its optimizer
+state is the optimizer's state for the module's arrays: ``optimizer.init(eqx.filter(model,
+eqx.is_array))``, as with Equinox and optax (``optimizer.init(model)`` fails inside optax on the
+activation function).
+
 Checks: the accumulated loss and gradient equal ``eqx.filter_value_and_grad`` on the full
-batch; ``jaxaccum.train_step`` on the model's arrays (``eqx.partition``) takes the same step.
-Run: ``python examples/equinox_model.py [--smoke]``.
+batch; ``jaxaccum.train_step`` on the module takes the same step as an ``eqx.filter_jit`` step
+written by hand, and then trains the model. Run: ``python examples/equinox_model.py [--smoke]``.
 """
 
 import argparse
@@ -32,7 +37,9 @@ y_all = (np.sin(2 * x_all[:, :1]) * np.cos(x_all[:, 1:])).astype(np.float32)
 
 model = eqx.nn.MLP(2, 1, width_size=64, depth=3, activation=jax.nn.tanh, key=jax.random.key(0))
 optimizer = optax.adam(1e-3)
-opt_state = optimizer.init(eqx.filter(model, eqx.is_inexact_array))
+# optax initialises the state for the module's arrays only (init(model) fails on the activation
+# function); for a module whose arrays are all floating, the ones train_step differentiates
+opt_state = optimizer.init(eqx.filter(model, eqx.is_array))
 
 
 def loss_fn(model, batch):  # the mean over the examples it is given
@@ -68,21 +75,21 @@ print(f"accumulated ({K} micro-batches) vs eqx.filter_value_and_grad: loss {erro
 assert max(errors) < 1e-5, errors
 assert isinstance(grads, eqx.nn.MLP) and grads.activation is None  # filtered like Equinox
 
-# Check 2: jaxaccum.train_step jits its arguments whole, so it takes the model's arrays
-# (eqx.partition) and the loss puts the model back together; it then takes the same step.
-params, static = eqx.partition(model, eqx.is_inexact_array)
-train_step = jaxaccum.train_step(lambda p, b: loss_fn(eqx.combine(p, static), b), optimizer,
-                                 num_microbatches=K, donate=False)
-new_params, _, _, _ = train_step(params, opt_state, first)
-new_model, opt_state, _ = step(model, opt_state, first)
-error = rel(new_params, new_model)
-print(f"train_step on eqx.partition(model) vs the filter_jit step: {error:.1e}")
+# Check 2: jaxaccum.train_step takes the module whole (filtered as eqx.filter_jit filters it)
+# and returns the updated module; it takes the hand-written step. It donates the model and the
+# optimizer state, so the hand-written step goes first.
+train_step = jaxaccum.train_step(loss_fn, optimizer, num_microbatches=K)
+ref_model, _, _ = step(model, opt_state, first)
+model, opt_state, _, _ = train_step(model, opt_state, first)
+error = rel(model, ref_model)
+print(f"jaxaccum.train_step on the module vs the filter_jit step: {error:.1e}")
+assert isinstance(model, eqx.nn.MLP) and model.activation is jax.nn.tanh, model
 assert error < 1e-6  # the same computation, up to XLA's fusion choices
-model, losses = new_model, []
+losses = []
 
 for t in range(1, STEPS):
-    model, opt_state, loss = step(model, opt_state, (x_all[t * BATCH:(t + 1) * BATCH],
-                                                     y_all[t * BATCH:(t + 1) * BATCH]))
+    model, opt_state, loss, _ = train_step(model, opt_state, (x_all[t * BATCH:(t + 1) * BATCH],
+                                                              y_all[t * BATCH:(t + 1) * BATCH]))
     losses.append(float(loss))
     if t % 200 == 0:
         print(f"step {t}: loss {np.mean(losses[-200:]):.5f}")

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import pathlib
-import shutil
 
 import numpy as np
 import pytest
 import requests
+from conftest import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -29,14 +29,15 @@ def test_splits_sizes_labels_and_pixels(mnist):
     np.testing.assert_allclose(mnist.train_images.std(), 0.30811, atol=5e-6)
 
 
-def test_corrupted_file_is_rejected(tmp_path, mnist_files):
+def test_corrupted_file_is_rejected(tmp_path):
+    # Four files of the recorded sizes whose bytes differ (as a corrupted download's would):
+    # only the sha256 can tell them apart, and no MNIST is needed to check that it does.
     manual = tmp_path / "manual"
-    shutil.copytree(mnist_files, manual)
-    target = manual / "t10k-labels-idx1-ubyte.gz"
-    target.chmod(0o644)
-    raw = bytearray(target.read_bytes())
-    raw[100] ^= 0xFF
-    target.write_bytes(bytes(raw))
+    manual.mkdir()
+    rng = np.random.default_rng(0)
+    rows = (pathlib.Path(data.__file__).parent / "checksums.tsv").read_text().splitlines()
+    for _url, size, _sha, name in (row.split("\t") for row in rows):
+        (manual / name).write_bytes(rng.integers(0, 256, int(size), np.uint8).tobytes())
     with pytest.raises(ValueError, match=r"does not match its recorded size and sha256"):
         data.mnist("test", data_dir=tmp_path / "tfds", manual_dir=manual)
 
@@ -58,7 +59,7 @@ def test_checksums_are_tfds_own():
     assert sorted(ours) == sorted(theirs)
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=examples(30), deadline=None)
 @given(sizes=st.lists(st.integers(0, 17), min_size=1, max_size=12), seed=st.integers(0, 99))
 def test_stream_depends_only_on_count(sizes, seed):
     n = 23
@@ -137,14 +138,12 @@ def test_first_run_logs_no_variant_folder_warning(tmp_path, monkeypatch, caplog)
     assert "Variant folder" not in caplog.text
 
 
-@pytest.mark.slow  # prepares MNIST once more (~10 s)
-def test_prepared_dataset_needs_no_manual_dir_and_no_network(tmp_path, monkeypatch,
-                                                            mnist_files):
-    prepared = tmp_path / "tfds"
-    first = data.mnist("test", data_dir=prepared, manual_dir=mnist_files)
-    monkeypatch.delenv(data.MANUAL_DIR_ENV)
+def test_prepared_dataset_needs_no_manual_dir_and_no_network(mnist_data_dir, mnist,
+                                                            monkeypatch):
+    # Once prepared (by the fixture), MNIST is read back with no .gz files and no network.
+    monkeypatch.delenv(data.MANUAL_DIR_ENV, raising=False)
     monkeypatch.setattr(requests, "head", no_network)
     monkeypatch.setattr(requests.Session, "request", no_network)
-    again = data.mnist("test", data_dir=prepared)
-    np.testing.assert_array_equal(again[0], first[0])
-    np.testing.assert_array_equal(again[1], first[1])
+    images, labels = data.mnist("test", data_dir=mnist_data_dir)
+    np.testing.assert_array_equal(images, mnist.test_images)
+    np.testing.assert_array_equal(labels, mnist.test_labels)
