@@ -74,7 +74,8 @@ step = jaxaccum.train_step(loss_fn, optimizer, max_microbatches=M, weighted=True
 
 def train(directory=None, kill_at=-1):
     """Trains one epoch; with a directory, resumes from its last checkpoint and saves every
-    SAVE_EVERY steps. Returns the parameters and the sequence indices trained on."""
+    SAVE_EVERY steps. Returns the parameters, the sequence indices trained on (their arrival
+    indices in the shuffled stream) and the number of steps."""
     params = init()
     opt_state = optimizer.init(params)
     it = iter(dataset())
@@ -119,7 +120,10 @@ if args.job:  # one job of the interrupted run, in its own process
 reference, reference_seen, steps = train()
 print(f"uninterrupted: {steps} steps over {DOCS} sequences, {len(reference_seen)} packed")
 assert sorted(reference_seen) == list(range(DOCS))
-kill_at = steps // 2 + 1  # not a multiple of SAVE_EVERY: steps after the last save are lost
+kill_at = steps // 2 + 1
+if kill_at % SAVE_EVERY == 0:  # not a multiple of SAVE_EVERY: steps after the last save are lost
+    kill_at += 1
+assert SAVE_EVERY < kill_at < steps, (kill_at, steps)  # a checkpoint to resume from, mid-epoch
 with tempfile.TemporaryDirectory() as tmp:
     out = pathlib.Path(tmp) / "final.npz"
     command = [sys.executable, __file__, "--job", str(pathlib.Path(tmp) / "ckpt"), "--out",
@@ -130,6 +134,7 @@ with tempfile.TemporaryDirectory() as tmp:
     second = subprocess.run(command, capture_output=True, text=True)
     print(second.stdout.strip())
     assert second.returncode == 0, second.stderr[-3000:]
+    assert f"resumed at step {kill_at // SAVE_EVERY * SAVE_EVERY}:" in second.stdout
     final = dict(np.load(out))
 seen = final.pop("seen").tolist()
 assert sorted(seen) == list(range(DOCS)), "a sequence lost or repeated across the restart"

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxaccum import _validation
 from jaxaccum._arguments import Accumulation
 
 
@@ -66,7 +67,8 @@ def microbatches(batch: Any, *, microbatch_size: int, max_microbatches: int) -> 
 
     Raises:
       ValueError: the leaves' leading axes differ (or one is a scalar), ``m`` does not
-        divide ``n``, or ``n / m > K``.
+        divide ``n`` (``m`` < 1 included), ``n / m > K``, or ``K`` < 1.
+      TypeError: ``m`` or ``K`` not an int.
 
     Examples:
       >>> import numpy as np, jaxaccum
@@ -75,6 +77,12 @@ def microbatches(batch: Any, *, microbatch_size: int, max_microbatches: int) -> 
       ((4, 2), 3)
     """
     entry = "jaxaccum.microbatches"
+    if isinstance(microbatch_size, bool) or not isinstance(microbatch_size, (int, np.integer)):
+        raise TypeError(
+            f"{entry}: microbatch_size must be an int (the examples per micro-batch); got "
+            f"{microbatch_size!r} of type {type(microbatch_size).__name__}"
+        )
+    max_microbatches = _validation.positive_int(max_microbatches, "max_microbatches", entry)
     leaves = jax.tree.leaves(batch)
     sizes = sorted({np.shape(x)[0] if np.ndim(x) else -1 for x in leaves})
     if len(sizes) > 1 or sizes == [-1]:

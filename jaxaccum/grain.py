@@ -36,7 +36,9 @@ class PackIterDataset(grain.IterDataset):
 
     The iterator's state is its parent's plus the packer's (the number of elements read and
     the sequences read but not yet packed: at most ``lookahead``), plain ints and lists: the
-    elements after a ``set_state`` are bitwise those the uninterrupted iterator yields.
+    elements after a ``set_state`` are bitwise those the uninterrupted iterator yields. A
+    state saved at any point (after the end too: nothing follows it) restores into any
+    iterator of the same dataset, a fresh one or one that ran on or to its end.
 
     Args:
       parent: a Grain ``IterDataset`` (or a ``MapDataset``, turned into one) of sequences:
@@ -52,9 +54,12 @@ class PackIterDataset(grain.IterDataset):
 
     Raises:
       ValueError: ``rows``, ``length``, ``max_microbatches`` or ``lookahead`` < 1; while
-        iterating, a sequence longer than ``length``, empty or not 1-D.
+        iterating, a sequence longer than ``length``, empty or not 1-D (named by its index
+        among the parent's elements, ``parent[i]``).
       TypeError: ``parent`` not a Grain dataset, a count or ``pad_id`` not an int, ``key`` not
-        a string; while iterating, an element that is not a mapping when ``key`` is given.
+        a string; while iterating, an element that is not a mapping when ``key`` is given, or
+        a sequence not of integers.
+      KeyError: while iterating, a mapping element without ``key``.
 
     Examples:
       >>> import grain, numpy as np
@@ -79,12 +84,14 @@ class PackIterDataset(grain.IterDataset):
         if key is not None and not isinstance(key, str):
             raise TypeError(f"{PACK}: key must be a string or None; got {key!r}")
         super().__init__(parent)
-        # pack_stream validates the options now (its stream is not read until iterated)
-        packing.pack_stream(iter(()), rows=rows, length=length,
-                            max_microbatches=max_microbatches, lookahead=lookahead,
-                            pad_id=pad_id)
-        self._options = {"rows": rows, "length": length, "max_microbatches": max_microbatches,
-                         "lookahead": lookahead, "pad_id": pad_id}
+        # checked now, naming this entry point (the parent is not read until iterated)
+        self._options = {
+            "rows": _validation.positive_int(rows, "rows", PACK),
+            "length": _validation.positive_int(length, "length", PACK),
+            "max_microbatches": _validation.positive_int(max_microbatches, "max_microbatches",
+                                                         PACK),
+            "lookahead": _validation.positive_int(lookahead, "lookahead", PACK),
+            "pad_id": packing._pad_id(PACK, pad_id)}
         self._key = key
 
     def __iter__(self) -> _PackDatasetIterator:
@@ -111,6 +118,11 @@ class _Sequences(Iterator[Any]):
                 f"{PACK}: key={self._key!r} needs mapping elements; got "
                 f"{type(element).__name__} (give key=None for elements that are token ids)"
             )
+        if self._key not in element:
+            raise KeyError(
+                f"{PACK}: key={self._key!r}: an element of the parent has no such key; its "
+                f"keys are {sorted(map(str, element))} (name the token ids' key with key=)"
+            )
         return element[self._key]
 
 
@@ -121,7 +133,12 @@ class _PackDatasetIterator(grain.DatasetIterator):
     def __init__(self, parent: grain.DatasetIterator, options: dict[str, Any],
                  key: str | None) -> None:
         super().__init__(parent)
-        self._stream = packing.pack_stream(_Sequences(parent, key), **options)
+        # errors name this entry point, and a sequence by its index among the parent's
+        # elements (counted from the start of the iteration)
+        self._stream = packing.PackStream(
+            _Sequences(parent, key), options["rows"], options["length"],
+            options["max_microbatches"], options["lookahead"], options["pad_id"], entry=PACK,
+            name="parent")
 
     def __next__(self) -> packing.Packed:
         return next(self._stream)

@@ -159,12 +159,13 @@ class _BestFit:
         return row
 
 
-def _sequence(entry: str, value: Any, index: int, length: int) -> np.ndarray:
-    """One input sequence, checked, as a 1-D int32 array."""
+def _sequence(entry: str, value: Any, index: int, length: int,
+              name: str = "sequences") -> np.ndarray:
+    """One input sequence, checked, as a 1-D int32 array; errors call it ``name[index]``."""
     if (type(value) is np.ndarray and value.dtype in _NARROW and value.ndim == 1
             and 0 < value.size <= length):
         return value.astype(np.int32, copy=False)  # the common case, without the checks below
-    where = f"{entry}: sequences[{index}]"
+    where = f"{entry}: {name}[{index}]"
     try:
         seq = np.asarray(value)
     except Exception as e:  # ragged nested lists and the like
@@ -361,7 +362,8 @@ def _best_fit_decreasing(lengths: np.ndarray, length: int) -> tuple[np.ndarray, 
     return row_of, len(fit.used)
 
 
-def pack(    sequences: Sequence[Any],
+def pack(
+    sequences: Sequence[Any],
     *,
     rows: int,
     length: int,
@@ -522,7 +524,8 @@ def _epoch_steps(sequences: Sequence[Any], row_of: np.ndarray, num_rows: int, *,
                         microbatches=microbatches, rows=rows, length=length, pad_id=pad_id)
 
 
-def pack_stream(    sequences: Iterable[Any],
+def pack_stream(
+    sequences: Iterable[Any],
     *,
     rows: int,
     length: int,
@@ -598,7 +601,11 @@ class PackStream(Iterator[Packed]):
     """
 
     def __init__(self, it: Iterator[Any], rows: int, length: int, microbatches: int,
-                 lookahead: int, pad_id: int) -> None:
+                 lookahead: int, pad_id: int, *, entry: str = PACK_STREAM,
+                 name: str = "sequences") -> None:
+        # entry and name: whose error it is and what the sequences are called in it
+        # (jaxaccum.grain.PackIterDataset's iterator reads its parent's elements)
+        self._entry, self._name = entry, name
         self._it = it
         self._rows, self._length, self._microbatches = rows, length, microbatches
         self._lookahead, self._pad_id = lookahead, pad_id
@@ -616,21 +623,23 @@ class PackStream(Iterator[Packed]):
 
     def set_state(self, state: dict[str, Any]) -> None:
         """Resumes from :meth:`get_state`'s dict; the stream given must start at sequence
-        ``state["arrived"]``."""
+        ``state["arrived"]``. Any state of the stream will do, into this iterator whatever it
+        did before (it may have run past the state, or to its end): one saved after the end
+        gives no more steps, one saved earlier the steps that followed it."""
         try:
             arrived, waiting = int(state["arrived"]), state["waiting"]
-            held = [(int(i), _sequence(PACK_STREAM, seq, int(i), self._length))
+            held = [(int(i), _sequence(self._entry, seq, int(i), self._length, self._name))
                     for i, seq in waiting]
         except (KeyError, TypeError) as e:
             raise ValueError(
-                f"{PACK_STREAM}: state must be a dict from PackStream.get_state() "
+                f"{self._entry}: state must be a dict from PackStream.get_state() "
                 f"({{'arrived': int, 'waiting': [[index, tokens], ...]}}); got {state!r:.200}"
             ) from e
         order = [i for i, _ in held]
-        if len(held) > self._lookahead or len(set(order)) < len(order) or any(
+        if arrived < 0 or len(held) > self._lookahead or len(set(order)) < len(order) or any(
                 not 0 <= i < arrived for i in order):
             raise ValueError(
-                f"{PACK_STREAM}: state holds {len(held)} waiting sequences with indices "
+                f"{self._entry}: state holds {len(held)} waiting sequences with indices "
                 f"{order[:8]} after {arrived} arrived; a state of this stream has at most "
                 f"lookahead={self._lookahead} of them, distinct, each below 'arrived'; resume "
                 "with the lookahead and the state the stream was saved with"
@@ -645,7 +654,7 @@ class PackStream(Iterator[Packed]):
             except StopIteration:
                 self._exhausted = True
                 return
-            seq = _sequence(PACK_STREAM, value, self._arrived, self._length)
+            seq = _sequence(self._entry, value, self._arrived, self._length, self._name)
             self._waiting.append((self._arrived, seq))
             self._arrived += 1
 

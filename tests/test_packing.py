@@ -28,17 +28,19 @@ from unittest import mock
 import jax
 import jax.numpy as jnp
 import numpy as np
+import packing_strategies as strategies
 import pytest
 import transformer
 from conftest import (
     EPS32,
     assert_within_rounding,
+    examples,
     max_rel_diff,
     refuses,
     rounding_error_ratio,
     to_float64,
 )
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import jaxaccum
@@ -198,7 +200,7 @@ def test_inputs_of_other_integer_types():
     check_packed(packed, [np.asarray(s) for s in seqs], rows=1, length=4)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(
     lengths=st.lists(st.integers(1, 12), max_size=30),
     length=st.integers(1, 12),
@@ -390,7 +392,7 @@ def test_zipf_corpus_fill():
 # --- pack_epoch --------------------------------------------------------------------------------
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=examples(30), deadline=None)
 @given(rows=st.integers(1, 3), length=st.integers(2, 24), m=st.integers(1, 4),
        pad_id=st.integers(-2, 2), data=st.data())
 def test_epoch_steps_are_packs_rows_cut_into_steps(rows, length, m, pad_id, data):
@@ -498,7 +500,7 @@ def test_stream_every_sequence_once(lookahead):
             assert length - fills.min() < len(seqs[stream_indices(nxt)[0]])
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(lengths=st.lists(st.integers(1, 12), min_size=0, max_size=60),
        rows=st.integers(1, 3), m=st.integers(1, 3), lookahead=st.integers(1, 8),
        stop=st.integers(0, 30), seed=st.integers(0, 2**16))
@@ -594,6 +596,119 @@ def test_stream_edge_cases_and_errors():
     with refuses(ValueError, match=r"^jaxaccum\.packing\.pack_stream: sequences\[2\] has 5 "
                        r"tokens, more than a row holds \(length=4\); truncate"):
         next(steps)  # read (and checked) when a step reaches it
+
+
+# --- pack_stream against its docstring's model, and its state at every point ------------------
+
+
+def steps_equal(got, want):
+    """Two lists of steps, bitwise (every array, and the count)."""
+    assert len(got) == len(want)
+    for s, (a, b) in enumerate(zip(got, want, strict=True)):
+        assert a.num_microbatches == b.num_microbatches, f"step {s}"
+        for name in ("tokens", "segment_ids", "positions", "sequence_index"):
+            np.testing.assert_array_equal(getattr(a, name), getattr(b, name),
+                                          err_msg=f"step {s} {name}")
+
+
+def ends(stream):
+    """The stream is at its end, and stays there: StopIteration, and again."""
+    for _ in range(2):
+        with pytest.raises(StopIteration):
+            next(stream)
+    return True
+
+
+# the edges: one token, exactly length, a corpus smaller than one row, one ending mid-step
+EDGES = [([1], dict(rows=1, length=1, max_microbatches=1, lookahead=1, pad_id=0)),
+         ([4], dict(rows=2, length=4, max_microbatches=2, lookahead=1, pad_id=3)),
+         ([1, 2], dict(rows=3, length=8, max_microbatches=2, lookahead=4, pad_id=-1)),
+         ([4, 4, 4, 4, 4, 1], dict(rows=2, length=4, max_microbatches=2, lookahead=2, pad_id=7)),
+         ([1] * 9 + [3], dict(rows=1, length=3, max_microbatches=3, lookahead=6, pad_id=0)),
+         # best fit, not any fit: the 1 must go to the row with 1 free (the 3's), so that
+         # the last 2 fits the other row; put in the row with 2 free, it waits a step
+         ([2, 3, 1, 2], dict(rows=2, length=4, max_microbatches=1, lookahead=1, pad_id=0))]
+
+
+def with_edges(test):
+    for lengths, options in EDGES:
+        test = example(options=options, lengths=lengths)(test)
+    return test
+
+
+@settings(max_examples=examples(100), deadline=None)
+@with_edges
+@given(options=strategies.stream_options(), lengths=st.data())
+def test_stream_steps_are_its_docstrings_best_fit_for_every_option(options, lengths):
+    """Every value of every option (rows, length, max_microbatches, lookahead from 1, pad_id
+    negative, 0, a real token id, int32's largest): each step holds the sequences the
+    docstring's online best fit puts there (``stream_model``), laid out by the layout contract
+    (pad_id in padding), ``(M, rows, length)`` with ``ceil(rows opened / rows)`` micro-batches
+    used; the stream is read lazily (at most ``lookahead`` sequences read and not yet yielded);
+    every sequence once; and at the end it stays ended."""
+    if not isinstance(lengths, list):
+        lengths = lengths.draw(strategies.lengths_for(options["length"]))
+    seqs = strategies.corpus(lengths)
+    source = strategies.Seekable(seqs)
+    stream = pack_stream(source, **options)
+    rows, length, m = options["rows"], options["length"], options["max_microbatches"]
+    packed_so_far = 0
+    for placed, opened in strategies.stream_model(lengths, **options):
+        packed = next(stream)
+        idx = stream_indices(packed)
+        assert idx.tolist() == sorted(placed)
+        assert packed.tokens.shape == (m, rows, length)
+        assert packed.num_microbatches == -(-opened // rows)
+        check_packed(packed, [seqs[i] for i in idx], rows=rows, length=length,
+                     pad_id=options["pad_id"], index=idx)
+        packed_so_far += len(placed)
+        assert source.position - packed_so_far <= options["lookahead"]
+    assert ends(stream)
+    assert source.position == len(seqs)
+
+
+@settings(max_examples=examples(60), deadline=None)
+@with_edges
+@given(options=strategies.stream_options(), lengths=st.data())
+def test_a_stream_state_saved_anywhere_restores_into_a_fresh_or_the_same_stream(options,
+                                                                                lengths):
+    """A state saved after 0, 1, ..., n steps and after the end (StopIteration reached, and
+    next called past it again), through JSON: restored into a fresh stream on the sequences
+    from ``state["arrived"]``, into the same stream once it ran to its end, and into one that
+    ran a step further, the steps that follow are the uninterrupted stream's, bitwise (after
+    the end: none, and StopIteration again); every sequence packed exactly once."""
+    if not isinstance(lengths, list):
+        lengths = lengths.draw(strategies.lengths_for(options["length"]))
+    seqs = strategies.corpus(lengths, seed=1)
+    whole = list(pack_stream(iter(seqs), **options))
+    for stop in range(len(whole) + 3):
+        first = pack_stream(iter(seqs), **options)
+        before = [next(first) for _ in range(min(stop, len(whole)))]
+        if stop >= len(whole) + 1:  # saved once it raised StopIteration (once or twice)
+            for _ in range(stop - len(whole)):
+                with pytest.raises(StopIteration):
+                    next(first)
+        state = json.loads(json.dumps(first.get_state()))
+        assert 0 <= state["arrived"] - sum(stream_indices(p).size for p in before) <= (
+            options["lookahead"])
+        fresh = pack_stream(iter(seqs[state["arrived"]:]), state=state, **options)
+        after = list(fresh)
+        assert ends(fresh)
+        steps_equal(before + after, whole)
+        seen = [int(i) for p in before + after for i in stream_indices(p)]
+        assert sorted(seen) == list(range(len(seqs)))
+        # the same stream, on a source put back at "arrived" (as Grain puts back a parent):
+        # once exhausted, and one step past the state (when there is one)
+        for further in (None, stop + 1):
+            source = strategies.Seekable(seqs)
+            same = pack_stream(source, **options)
+            ran = list(same) if further is None else [
+                next(same) for _ in range(min(further, len(whole)))]
+            assert len(ran) <= len(whole)
+            source.seek(state["arrived"])
+            same.set_state(state)
+            steps_equal(before + list(same), whole)
+            assert ends(same)
 
 
 # --- loss helpers: unit checks -----------------------------------------------------------------
