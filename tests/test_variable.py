@@ -158,6 +158,22 @@ def test_microbatches_refuses_a_size_that_does_not_divide_the_batch(m):
         jaxaccum.microbatches(X10, microbatch_size=m, max_microbatches=4)
 
 
+@pytest.mark.parametrize("kw, kind, match", [
+    (dict(microbatch_size=2.0, max_microbatches=4), TypeError, "microbatch_size must be an int"),
+    (dict(microbatch_size=True, max_microbatches=4), TypeError, "microbatch_size must be an int"),
+    (dict(microbatch_size=2, max_microbatches=0), ValueError, "max_microbatches must be >= 1"),
+    (dict(microbatch_size=2, max_microbatches=1.5), TypeError, "max_microbatches must be a"),
+    (dict(microbatch_size=2, max_microbatches=False), TypeError, "max_microbatches must be a"),
+])
+def test_microbatches_refuses_counts_that_are_not_positive_ints(kw, kind, match):
+    """A bool or a float is no count (True is not 1 micro-batch example); the accepted side of
+    each boundary: the same call with an int runs."""
+    with refuses(kind, match=f"jaxaccum.microbatches: {match}"):
+        jaxaccum.microbatches(X10, **kw)
+    fixed = {name: 5 if name == "max_microbatches" else 2 for name in kw}
+    assert jaxaccum.microbatches(X10, **fixed).count == 5
+
+
 def test_microbatches_refuses_leaves_that_are_not_per_example():
     # every leaf is per example: leaves of different lengths (in either order) or a scalar
     # leaf are refused, whichever leaf comes first
