@@ -61,7 +61,7 @@ class DataParallel:
       TypeError: ``mesh`` is not a ``jax.sharding.Mesh``.
       ValueError: the mesh has no axes; ``data_axis`` is missing on a mesh with several
         axes, names no axis of the mesh or is empty; ``fsdp`` is not ``"step"`` or
-        ``"microbatch"``.
+        ``"microbatch"``; ``param_shardings`` given for Explicit data axes.
 
     Examples:
       >>> import jax, jaxaccum
@@ -102,6 +102,14 @@ class DataParallel:
             raise ValueError(
                 f"jaxaccum.DataParallel: data_axis={self.data_axis!r} is not an axis of the "
                 f"mesh; the mesh axes are {names}"
+            )
+        if self.param_shardings is not None and self.explicit:
+            # Explicit axes carry each parameter's sharding in its type: hints would be ignored
+            raise ValueError(
+                "jaxaccum.DataParallel: param_shardings is for Auto-axis meshes (where tracers "
+                f"carry no sharding); the data axes {self.axes} of this mesh are Explicit, "
+                "where every parameter's sharding is in its type and is used as it is: drop "
+                "param_shardings"
             )
 
     @property

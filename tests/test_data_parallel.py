@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import refuses
+from conftest import accepts, refuses
 from jax.sharding import PartitionSpec as P
 from launcher import run_program
 
@@ -120,3 +120,16 @@ def test_param_shardings_errors_name_the_argument():
     )
     expected = jax.value_and_grad(loss)(params, batch)
     np.testing.assert_allclose(jax.jit(right)(params, batch)[0], expected[0], rtol=1e-6)
+
+
+def test_param_shardings_are_refused_on_explicit_data_axes():
+    """Explicit axes carry every parameter's sharding in its type: hints would be ignored, so
+    they are refused; the same hints on Auto axes are taken."""
+    for kind, taken in ((jax.sharding.AxisType.Explicit, False), (jax.sharding.AxisType.Auto,
+                                                                  True)):
+        mesh = jax.make_mesh((1,), ("data",), axis_types=(kind,))
+        assert accepts(lambda m=mesh: jaxaccum.DataParallel(m, param_shardings={"w": P()})) \
+            == taken
+    with refuses(ValueError, match=r"^jaxaccum\.DataParallel: param_shardings is for Auto-axis "
+                 r"meshes.*Explicit.*drop param_shardings"):
+        jaxaccum.DataParallel(jax.make_mesh((1,), ("data",)), param_shardings={"w": P()})

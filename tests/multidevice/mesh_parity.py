@@ -319,8 +319,9 @@ def call(case: Case, where: Where, data: dict[str, Any], opts: dict[str, Any],
     batch, scale, table, carry = data["batch"], data["scale"], data["table"], data["carry"]
     if where.mesh is not None:
         specs = shardings(case, where)
+        hints = case.param_shardings and not where.explicit  # Explicit: refused (in types)
         dp = jaxaccum.DataParallel(where.mesh, data_axis="data", fsdp=case.fsdp or "step",
-                                   param_shardings=specs["p"] if case.param_shardings else None)
+                                   param_shardings=specs["p"] if hints else None)
         opts = {**opts, "mesh": dp}
         p = {k: put(where, v, specs["p"][k]) for k, v in p.items()}
         batch = put(where, batch, specs["stack"] if count is not None else specs["x"])
