@@ -7,6 +7,7 @@ The rules for weights and skipped micro-batches are those of :mod:`jaxaccum._red
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -183,6 +184,29 @@ def _emit_flag(emit: Any) -> jax.Array | None:
     return jnp.asarray(emit)
 
 
+_KEYWORDS = ("every_k", "every_k_schedule", "use_grad_mean", "should_skip_update_fn",
+             "accumulator_dtype", "skip_nonfinite")
+
+
+def _check_keywords(unknown: dict[str, Any]) -> None:
+    """Refuses a keyword :func:`multi_steps` does not take, naming the accepted ones."""
+    for name in unknown:
+        close = difflib.get_close_matches(name, _KEYWORDS, n=1)
+        hint = f"did you mean {close[0]}=? " if close else ""
+        options = (" (an option of jaxaccum.Options: multi_steps takes one micro-batch's "
+                   "gradient per call, and its count as update(..., weight=n))"
+                   if name in _OPTIONS else "")
+        raise TypeError(
+            f"{_ENTRY}: unknown keyword argument {name}={unknown[name]!r}{options}; {hint}"
+            f"multi_steps(inner, every_k, ...) takes {list(_KEYWORDS)}: remove {name}= or "
+            "rename it"
+        )
+
+
+_OPTIONS = ("num_microbatches", "microbatch_size", "max_microbatches", "has_aux", "weighted",
+            "mesh", "noise_scale", "unroll")
+
+
 def _check_bool(value: Any, name: str) -> None:
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be a bool; got {value!r} of type {type(value).__name__}")
@@ -207,6 +231,7 @@ def multi_steps(
     should_skip_update_fn: ShouldSkipUpdateFn | None = None,
     accumulator_dtype: DTypeLike | None = jnp.float32,
     skip_nonfinite: bool = False,
+    **unknown: Any,
 ) -> MultiStepsTransformation:
     """Accumulates ``every_k`` micro-batch gradients, then applies ``inner`` once to their mean.
 
@@ -310,10 +335,11 @@ def multi_steps(
       state :class:`MultiStepsState`.
 
     Raises:
-      TypeError: if ``inner`` is not an optax transform, ``every_k`` is not an int, callable or
-        ``None`` (or neither it nor ``every_k_schedule`` is given), a flag is not a bool, or
-        ``should_skip_update_fn`` is not callable; at update (at trace time), for non-floating
-        gradients, or an ``emit`` that is not a bool or an array of dtype bool.
+      TypeError: for a keyword argument it does not take (the error names it, the accepted ones and
+        the closest match); if ``inner`` is not an optax transform, ``every_k`` is not an int,
+        callable or ``None`` (or neither it nor ``every_k_schedule`` is given), a flag is not a
+        bool, or ``should_skip_update_fn`` is not callable; at update (at trace time), for
+        non-floating gradients, or an ``emit`` that is not a bool or an array of dtype bool.
       ValueError: if ``every_k`` < 1 or both spellings are given; at update, if ``weight`` is
         not a scalar, or is concrete and negative or non-finite, ``should_skip_update_fn``
         does not return a boolean scalar, or ``emit`` is a boolean array of shape other
@@ -354,6 +380,7 @@ def multi_steps(
       ``optax.MultiSteps``; Ott et al., "Scaling Neural Machine Translation", 2018
       (https://arxiv.org/abs/1806.00187).
     """
+    _check_keywords(unknown)
     if not isinstance(inner, optax.GradientTransformation):
         raise TypeError(
             f"inner must be an optax.GradientTransformation; got {type(inner).__name__}"

@@ -69,6 +69,9 @@ class Scenario:
     aux: dict[str, str] | None = None  # leaf -> reduction name, or None (no aux)
     noise_scale: bool = False
     shards: int = 1  # devices of an Auto mesh: each evaluates its share of every micro-batch
+    # the dtype of the parameters and of the float inputs x, y (the weights m stay float32: a
+    # count); float32 for the float64 model above, bfloat16 for tests/test_precision.py
+    dtype: Any = np.float32
 
     @property
     def options(self) -> dict[str, Any]:
@@ -112,7 +115,7 @@ class Scenario:
 
     def batch(self) -> Any:
         """The batch as the front ends take it: ``(x, y, m)``, or a ``Microbatches`` stack."""
-        data = (self.x, self.y, self.m)
+        data = (self.x.astype(self.dtype), self.y.astype(self.dtype), self.m)
         if self.count is None:
             return data
         m = self.x.shape[0] // self.k
@@ -367,7 +370,7 @@ def run(front: str, s: Scenario, mesh: Any = None) -> dict[str, Any]:
     info, aux and the parameters after one SGD(1) step (steps only)."""
     loss = loss_fn(s.weighted, None if s.aux is None else tuple(s.aux))
     opts = s.options if mesh is None else {**s.options, "mesh": mesh}
-    w = jnp.asarray(s.w)
+    w = jnp.asarray(s.w.astype(s.dtype))
     batch = s.batch()
     sgd = optax.sgd(1.0)
     out: dict[str, Any] = {}
@@ -386,12 +389,12 @@ def run(front: str, s: Scenario, mesh: Any = None) -> dict[str, Any]:
         params, _, value, info = step(w, sgd.init(w), batch)
         out.update(value=value, info=info, params=params)
     elif front == "nnx.value_and_grad":
-        model = Linear(s.w)
+        model = Linear(s.w.astype(s.dtype))
         fn = nnx.jit(jaxaccum.nnx.value_and_grad(_nnx_loss(loss), return_info=True, **opts))
         value, grads, info = fn(model, batch)
         out.update(value=value, grads=grads["w"][...], info=info)
     elif front == "nnx.train_step":
-        model = Linear(s.w)
+        model = Linear(s.w.astype(s.dtype))
         optimizer = nnx.Optimizer(model, sgd, wrt=nnx.Param)
         value, info = jaxaccum.nnx.train_step(_nnx_loss(loss), **opts)(model, optimizer, batch)
         out.update(value=value, info=info, params=model.w[...])

@@ -13,6 +13,7 @@ from conftest import (
     EPS32,
     assert_trees_close,
     assert_within_rounding,
+    examples,
     float64_trajectory,
     full_batch_trajectory,
     grad_and_update,
@@ -24,6 +25,8 @@ from conftest import (
     refuses,
     to_float64,
 )
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import jaxaccum
 
@@ -1010,3 +1013,103 @@ def test_every_k_none_validation():
         jaxaccum.multi_steps(optax.sgd(0.1), every_k_schedule=None)
     state = jaxaccum.multi_steps(optax.sgd(0.1), every_k=None).init(PARAMS)
     assert int(state.mini_step) == 0
+
+
+# --- two skip mechanisms together: should_skip_update_fn and skip_nonfinite ------------------
+
+D = 3
+LARGE = 50.0  # should_skip_update_fn below rejects a gradient whose squared norm exceeds this
+
+
+def _reject_large(updates, gradient_step, params):
+    """Rejects a large (finite) gradient; a NaN one is not large (NaN > x is False), so
+    skip_nonfinite is what leaves it out. Counts its rejections in skip_state."""
+    sq = sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(updates))
+    return sq > LARGE, ()
+
+
+def _model_both(calls, k, hook, skip_nonfinite):
+    """The docstring's semantics, in float64: per call (update, state fields) expected.
+
+    - ``should_skip_update_fn`` rejecting a call: not accumulated, not a call of the window
+      (mini_step unchanged), never ends it, counted in ``skipped``;
+    - ``skip_nonfinite``: a kept call whose gradient is not finite (and whose weight is not 0)
+      is left out of the mean but still a call of the window, counted in ``skipped``;
+    - a micro-batch left out by both counts once; a weight-0 one adds nothing, uncounted;
+    - the window ends at k kept calls: the update is -(sum w g / sum w) (SGD(1)), no step and
+      zero updates if the total weight is 0.
+    """
+    out, acc, total, mini, steps, skipped = [], np.zeros(D), 0.0, 0, 0, 0
+    for g, w in calls:
+        finite = bool(np.all(np.isfinite(g)))
+        rejected = hook == "large" and finite and float(np.sum(g**2)) > LARGE
+        rejected |= hook == "not_finite" and not finite
+        nonfinite_out = skip_nonfinite and w != 0 and not finite
+        skipped += int(rejected or nonfinite_out)
+        emitted = False
+        update = np.zeros(D)
+        if not rejected:
+            mini += 1
+            if w != 0 and not nonfinite_out:
+                acc, total = acc + w * g, total + w
+            if mini >= k:
+                if total != 0:
+                    update, emitted, steps = -acc / total, True, steps + 1
+                acc, total, mini = np.zeros(D), 0.0, 0
+        out.append(dict(update=update, mini=mini, steps=steps, skipped=skipped,
+                        emitted=emitted, total=total))
+    return out
+
+
+@settings(max_examples=examples(8), deadline=None, report_multiple_bugs=False,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**16), k=st.integers(1, 3), n=st.integers(1, 7),
+       hook=st.sampled_from(["large", "not_finite"]), skip_nonfinite=st.booleans(),
+       weighted=st.booleans())
+def test_should_skip_update_fn_and_skip_nonfinite_together(seed, k, n, hook, skip_nonfinite,
+                                                           weighted):
+    """Both skip mechanisms switched on at once against the float64 model of the docstring:
+    which calls are kept, the window's length, the skipped count and the emitted update."""
+    rng = np.random.default_rng(seed)
+    calls = []
+    for _ in range(n):
+        g = rng.normal(size=D).astype(np.float32)
+        kind = rng.choice(["plain", "plain", "large", "nan"])
+        if kind == "large":
+            g = g * 0 + 6.0  # squared norm 36 D > LARGE
+        elif kind == "nan":
+            g[rng.integers(D)] = np.nan
+        w = float(rng.choice([0.0, 1.0, 2.0])) if weighted else 1.0
+        calls.append((g, w))
+    fn = _reject_large if hook == "large" else optax.skip_not_finite
+    opt = jaxaccum.multi_steps(optax.sgd(1.0), every_k=k, should_skip_update_fn=fn,
+                               skip_nonfinite=skip_nonfinite)
+    params = jnp.zeros(D, jnp.float32)
+    state = opt.init(params)
+    update = jax.jit(opt.update)
+    for (g, w), want in zip(calls, _model_both(calls, k, hook, skip_nonfinite), strict=True):
+        u, state = update(jnp.asarray(g), state, params,
+                          weight=jnp.float32(w) if weighted else None)
+        assert int(state.mini_step) == want["mini"]
+        assert int(state.gradient_step) == want["steps"]
+        assert int(state.skipped) == want["skipped"]
+        assert bool(state.emitted) == want["emitted"] == bool(opt.has_updated(state))
+        assert float(state.acc_weight) == want["total"]  # sums of small integers: exact
+        # the mean of <= k float32 gradients: float32 rounding of |terms| (k + 4 roundings)
+        # (NaN where the model says NaN: a NaN gradient without skip_nonfinite reaches the update)
+        finite = want["update"][np.isfinite(want["update"])]
+        size = float(np.max(np.abs(finite))) if finite.size else 0.0
+        bound = 2 * (k + 4) * np.finfo(np.float32).eps * size + 1e-30
+        np.testing.assert_allclose(np.asarray(u, np.float64), want["update"], rtol=0,
+                                   atol=bound, equal_nan=True)
+
+
+def test_multi_steps_unknown_keyword_names_the_fix():
+    with refuses(TypeError, match=r"jaxaccum\.multi_steps: unknown keyword argument "
+                 r"skip_non_finite=True; did you mean skip_nonfinite=\? .*takes \['every_k'"):
+        jaxaccum.multi_steps(optax.sgd(1.0), every_k=2, skip_non_finite=True)
+    with refuses(TypeError, match=r"unknown keyword argument weighted=True \(an option of "
+                 r"jaxaccum\.Options: .*update\(\.\.\., weight=n\)\)"):
+        jaxaccum.multi_steps(optax.sgd(1.0), every_k=2, weighted=True)
+    with refuses(TypeError, match=r"unknown keyword argument colour='red'; multi_steps"):
+        jaxaccum.multi_steps(optax.sgd(1.0), every_k=2, colour="red")
