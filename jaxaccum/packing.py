@@ -732,8 +732,9 @@ def token_mean(per_token_loss: Any, segment_ids: Any) -> tuple[jax.Array, jax.Ar
         :func:`pack` returns them for the micro-batch).
 
     Returns:
-      ``(value, weight)``: the mean over the real tokens (in the loss's dtype; 0 with none)
-      and their number (float32, or float64 for a float64 loss).
+      ``(value, weight)``: the mean over the real tokens (0 with none) and their number,
+      both in float32 (float64 for a float64 loss): a bfloat16 loss's mean is not rounded
+      to bfloat16 before the accumulation weights it.
 
     Raises:
       ValueError: the two shapes differ, or are scalars.
@@ -753,7 +754,9 @@ def token_mean(per_token_loss: Any, segment_ids: Any) -> tuple[jax.Array, jax.Ar
     real = seg > 0
     count = jnp.sum(real, dtype=acc)
     total = jnp.sum(jnp.where(real, loss, 0), dtype=acc)
-    return (total / jnp.maximum(count, 1)).astype(loss.dtype), count
+    # the mean stays in the sum's dtype: rounded to a 16-bit loss here, each micro-batch's
+    # mean would lose half an ulp before it is weighted
+    return total / jnp.maximum(count, 1), count
 
 
 def sequence_mean(per_token_loss: Any, segment_ids: Any) -> tuple[jax.Array, jax.Array]:
@@ -779,8 +782,8 @@ def sequence_mean(per_token_loss: Any, segment_ids: Any) -> tuple[jax.Array, jax
         counted.
 
     Returns:
-      ``(value, weight)``: the mean of the per-sequence means (in the loss's dtype; 0 with
-      none) and the number of sequences present (float32, or float64 for a float64 loss).
+      ``(value, weight)``: the mean of the per-sequence means (0 with none) and the number
+      of sequences present, both in float32 (float64 for a float64 loss).
 
     Raises:
       ValueError: the two shapes differ, or are scalars.
@@ -809,7 +812,7 @@ def sequence_mean(per_token_loss: Any, segment_ids: Any) -> tuple[jax.Array, jax
     means = sums / jnp.maximum(counts, 1)
     number = jnp.sum(present, dtype=acc)
     total = jnp.sum(jnp.where(present, means, 0))
-    return (total / jnp.maximum(number, 1)).astype(loss.dtype), number
+    return total / jnp.maximum(number, 1), number  # in the sums' dtype, as token_mean
 
 
 def next_token_segments(segment_ids: Any) -> jax.Array:
