@@ -4,8 +4,9 @@
 B/verdicts.jsonl ...] --out benchmarks/results/mutation.json`` writes, for the commit the
 sessions ran on: the sample (seed, size, per module), each mutant's operator, place, diff and
 verdict (stillborn: rejected by mypy / killed by an assertion / refused / crashed / survived /
-timeout / invalid), and per module the
-kill rate over the non-equivalent mutants (``--equivalent FILE``: the mutants judged equivalent,
+timeout / invalid), and per module, per operator and per provider (cosmic-ray's built-in
+``core`` against this project's ``jaxaccum``, ``operators.py``) the kill rate over the
+non-equivalent mutants (``--equivalent FILE``: the mutants judged equivalent,
 each with why).
 """
 
@@ -128,17 +129,29 @@ def main() -> None:
 
     summary = {module: rates(c) for module, c in sorted(per.items())}
     total: Counter[str] = sum(per.values(), Counter())
+    # per operator, and built-in ("core/...") against this project's own ("jaxaccum/...",
+    # benchmarks/mutation/operators.py: the slips the test suite was audited for)
+    per_operator: dict[str, Counter[str]] = defaultdict(Counter)
+    per_provider: dict[str, Counter[str]] = defaultdict(Counter)
+    for m in mutants:
+        per_operator[m["operator"]][m["verdict"]] += 1
+        per_provider[m["operator"].split("/", 1)[0]][m["verdict"]] += 1
     report = {
         "commit": commit,
-        "tool": "cosmic-ray 8.7 (benchmarks/mutation/cosmic-ray.toml)",
+        "tool": "cosmic-ray 8.7 through benchmarks/mutation/cr.py (built-in operators and "
+                "this project's, benchmarks/mutation/operators.py; "
+                "benchmarks/mutation/cosmic-ray.toml)",
         "sample": "benchmarks/mutation/sample.py --size 300 --seed 20261201 (annotations left "
-                  "out; proportional per module, at least 20), shards 0/2 and 1/2",
+                  "out; proportional per module, at least 20, each of this project's operators "
+                  "at least once per module), shards 0/2 and 1/2",
         "kill": "an assertion failed in any test of the module's selection (verdict.py); "
                 "crashed = other exceptions only; stillborn = `mypy jaxaccum` (run by CI) "
                 "rejects the mutant",
         "modules_measured_at": dict(sorted(origin.items())),
         "total": rates(total),
         "modules": summary,
+        "providers": {p: rates(c) for p, c in sorted(per_provider.items())},
+        "operators": {op: rates(c) for op, c in sorted(per_operator.items())},
         "mutants": sorted(mutants, key=lambda m: (m["module"], m["line"], m["col"])),
     }
     with open(args.out, "w") as f:
@@ -146,6 +159,8 @@ def main() -> None:
     print(json.dumps({"commit": commit[:12], "total": report["total"]}, indent=1))
     for module, s in summary.items():
         print(module, s)
+    for provider, s in report["providers"].items():
+        print(provider, s)
 
 
 if __name__ == "__main__":
