@@ -91,7 +91,7 @@ def _backward(score: Score, tile: int, axis: str, res: Any,
     def step(_: Any, carry: Any) -> Any:
         dp, da, (y, wy, cols_w, dy) = carry
         tile_ct = _tiles.lse_tile_ct(score, g, pv, rows_w, cols_w, pwa, wy)
-        tp, tx, ty = _tiles.pullback(tile_ct, g, params, pa, y, vary)
+        tp, tx, ty = _tiles.pullback(tile_ct, g, params, pa, y, pv, rows_w, cols_w, pwa, wy)
         dp, da, dy = _add(dp, tp), _add(da, tx), _add(dy, ty)
         return dp, da, _hop(axis, (y, wy, cols_w, dy))
 
@@ -155,7 +155,7 @@ def _total_backward(term: Term, tile: int, axis: str, res: Any, ct: jax.Array) -
         dp, da, (y, wy, dy) = carry
         shift = _offset(axis, 0, n_a) - _offset(axis, i, n_b)
         tile_ct = _tiles.total_tile_ct(term, g, pv, pwa, wy, ct, shift)
-        tp, tx, ty = _tiles.pullback(tile_ct, g, params, pa, y, vary)
+        tp, tx, ty = _tiles.pullback(tile_ct, g, params, pa, y, pv, pwa, wy, ct, shift)
         dp, da, dy = _add(dp, tp), _add(da, tx), _add(dy, ty)
         return dp, da, _hop(axis, (y, wy, dy))
 

@@ -60,6 +60,26 @@ def put_add(tree: Any, start: jax.Array, part: Any) -> Any:
     return jax.tree.map(one, tree, part)
 
 
+def varying(*trees: Any) -> tuple[str, ...]:
+    """The mesh axes any leaf of ``trees`` varies over (inside ``jax.shard_map``; none
+    outside it), sorted."""
+    axes: set[str] = set()
+    for x in jax.tree.leaves(trees):
+        axes |= set(jax.typeof(x).manual_axis_type.varying)
+    return tuple(sorted(axes))
+
+
+def vary(axes: tuple[str, ...], tree: Any) -> Any:
+    """Each leaf of ``tree`` typed as varying over ``axes`` (those it does not yet vary
+    over). A loop's carry must keep its type, and a carry updated from device-varying inputs
+    (this device's rows, say) becomes varying: its initial value (zeros, -inf) must be typed
+    so from the start."""
+    def one(x: Any) -> Any:
+        missing = tuple(a for a in axes if a not in jax.typeof(x).manual_axis_type.varying)
+        return lax.pcast(x, missing, to="varying") if missing else x
+    return jax.tree.map(one, tree)
+
+
 def _zeros_like(tree: Any) -> Any:
     """Float32 accumulators for the cotangents of ``tree``'s leaves (summed over many tiles)."""
     return jax.tree.map(lambda x: jnp.zeros(jnp.shape(x), jnp.float32), tree)
@@ -67,6 +87,18 @@ def _zeros_like(tree: Any) -> Any:
 
 def cast_like(tree: Any, like: Any) -> Any:
     return jax.tree.map(lambda x, y: x.astype(jnp.result_type(y)), tree, like)
+
+
+def cotangent_of(tree: Any, like: Any) -> Any:
+    """Float32 cotangent sums as the cotangents of the primal ``like``: each leaf summed over
+    the mesh axes it varies over and its primal does not (an input the same on every device,
+    whose per-device uses all contribute: the transpose of its implicit ``pcast`` to varying
+    is this ``psum``), in float32, then cast to the primal's dtype."""
+    def one(x: jax.Array, y: Any) -> jax.Array:
+        have = set(jax.typeof(y).manual_axis_type.varying)
+        extra = tuple(ax for ax in varying(x) if ax not in have)
+        return (lax.psum(x, extra) if extra else x).astype(jnp.result_type(y))
+    return jax.tree.map(one, tree, like)
 
 
 def inputs(g: Grid, a: Any, b: Any, wa: jax.Array, wb: jax.Array) -> tuple[Any, ...]:
@@ -94,6 +126,9 @@ def lse_stats(score: Score, g: Grid, both: bool, params: Any, a: Any, b: Any, wa
     """The streaming log-sum-exp statistics ``(max, sum)`` of every row (over the columns of
     weight > 0) and, with ``both``, of every column (over the rows of weight > 0), updated
     from ``rows`` and ``cols`` with the scores of ``a`` (padded) against ``b`` (padded)."""
+    # the carries vary over every axis the scores can (inside shard_map)
+    axes = varying(params, a, b, wa, wb, rows, cols)
+    rows, cols = vary(axes, rows), vary(axes, cols)
 
     def row_tile(cols: tuple[jax.Array, jax.Array], r: jax.Array) -> tuple[Any, Any]:
         x, row_ok = take(a, r * g.ta, g.ta), take(wa, r * g.ta, g.ta) > 0
@@ -133,10 +168,13 @@ def finish(m: jax.Array, s: jax.Array) -> jax.Array:
 
 
 def pullback(tile_ct: Callable[..., tuple[Any, ...]], g: Grid, params: Any, a: Any,
-             b: Any, vary: Callable[[Any], Any] = lambda tree: tree) -> tuple[Any, Any, Any]:
+             b: Any, *context: Any) -> tuple[Any, Any, Any]:
     """Sums, over every tile, the cotangents ``tile_ct(r, c, x, y)`` returns for ``(params,
-    a rows, b cols)``: the backward pass, one tile live at a time. ``vary`` types the
-    accumulators' zeros as the carries they become (device-varying inside a ring)."""
+    a rows, b cols)``: the backward pass, one tile live at a time. ``context``: the other
+    arrays ``tile_ct`` reads (weights, statistics, the cotangent); the accumulators' zeros are
+    typed as varying over every mesh axis these and ``params``, ``a``, ``b`` vary over (the
+    carries they become, inside ``jax.shard_map``). Returns the float32 sums."""
+    axes = varying(params, a, b, context)
 
     def row_tile(carry: tuple[Any, Any], r: jax.Array) -> tuple[Any, Any]:
         dp, db = carry
@@ -149,14 +187,14 @@ def pullback(tile_ct: Callable[..., tuple[Any, ...]], g: Grid, params: Any, a: A
             add = functools.partial(jax.tree.map, lambda s, t: s + t.astype(s.dtype))
             return (add(dp, tp), add(dx, tx), put_add(db, c * g.tb, ty)), None
 
-        (dp, dx, db), _ = lax.scan(col_tile, (dp, vary(_zeros_like(x)), db),
+        (dp, dx, db), _ = lax.scan(col_tile, (dp, vary(axes, _zeros_like(x)), db),
                                    jnp.arange(g.cols))
         return (dp, db), dx
 
-    (dp, db), da = lax.scan(row_tile, vary((_zeros_like(params), _zeros_like(b))),
+    (dp, db), da = lax.scan(row_tile, vary(axes, (_zeros_like(params), _zeros_like(b))),
                             jnp.arange(g.rows))
     da = jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), da)
-    return cast_like(dp, params), cast_like(da, a), cast_like(db, b)
+    return dp, da, db  # float32: the caller sums more of them (a ring) or casts them
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
@@ -215,10 +253,24 @@ def _lse_backward(score: Score, tile: int, both: bool, res: Any,
     n_a, n_b = sizes(a, b)
     g = grid(n_a, n_b, tile)
     pa, pb, pwa, pwb = inputs(g, a, b, wa, wb)
-    tile_ct = lse_tile_ct(score, g, params, lse_weights(rows, ct[0], g.rows * g.ta),
-                          lse_weights(cols, ct[1], g.cols * g.tb) if both else None, pwa, pwb)
-    dp, da, db = pullback(tile_ct, g, params, pa, pb)
-    return (dp, jax.tree.map(lambda x: x[:n_a], da), jax.tree.map(lambda x: x[:n_b], db),
+    # inside shard_map: differentiated as varying, so that each tile's pullback gives this
+    # device's share (not a psum per tile); summed once, in cotangents
+    pv, pa, pb = vary(varying(params, a, b, wa, wb, rows, cols, ct), (params, pa, pb))
+    rows_w = lse_weights(rows, ct[0], g.rows * g.ta)
+    cols_w = lse_weights(cols, ct[1], g.cols * g.tb) if both else None
+    tile_ct = lse_tile_ct(score, g, pv, rows_w, cols_w, pwa, pwb)
+    dp, da, db = pullback(tile_ct, g, pv, pa, pb, rows_w, cols_w, pwa, pwb)
+    return cotangents(params, a, b, wa, wb, dp, da, db)
+
+
+def cotangents(params: Any, a: Any, b: Any, wa: jax.Array, wb: jax.Array, dp: Any, da: Any,
+               db: Any) -> tuple[Any, ...]:
+    """The backward's results from :func:`pullback`'s padded float32 sums: cut to ``n_a``
+    and ``n_b`` rows, typed and cast as the primals (:func:`cotangent_of`); the weights get
+    zeros."""
+    n_a, n_b = sizes(a, b)
+    da, db = jax.tree.map(lambda x: x[:n_a], da), jax.tree.map(lambda x: x[:n_b], db)
+    return (cotangent_of(dp, params), cotangent_of(da, a), cotangent_of(db, b),
             jnp.zeros_like(wa), jnp.zeros_like(wb))
 
 
@@ -248,6 +300,8 @@ def total_tiles(term: Term, g: Grid, params: Any, pa: Any, pb: Any, pwa: jax.Arr
                 pwb: jax.Array, start: jax.Array, shift: Any = 0) -> jax.Array:
     """``start`` plus the sum of :func:`tile_term` over every tile of ``pa`` (padded rows)
     against ``pb`` (padded columns)."""
+    # the sum varies over every axis its terms can (inside shard_map)
+    start = vary(varying(params, pa, pb, pwa, pwb, start, shift), start)
 
     def row_tile(acc: jax.Array, r: jax.Array) -> tuple[jax.Array, None]:
         x = take(pa, r * g.ta, g.ta)
@@ -287,9 +341,11 @@ def _total_backward(term: Term, tile: int, res: Any, ct: jax.Array) -> tuple[Any
     n_a, n_b = sizes(a, b)
     g = grid(n_a, n_b, tile)
     pa, pb, pwa, pwb = inputs(g, a, b, wa, wb)
-    dp, da, db = pullback(total_tile_ct(term, g, params, pwa, pwb, ct), g, params, pa, pb)
-    return (dp, jax.tree.map(lambda x: x[:n_a], da), jax.tree.map(lambda x: x[:n_b], db),
-            jnp.zeros_like(wa), jnp.zeros_like(wb))
+    # inside shard_map: differentiated as varying (this device's share per tile), summed once
+    pv, pa, pb = vary(varying(params, a, b, wa, wb, ct), (params, pa, pb))
+    dp, da, db = pullback(total_tile_ct(term, g, pv, pwa, pwb, ct), g, pv, pa, pb, pwa, pwb,
+                          ct)
+    return cotangents(params, a, b, wa, wb, dp, da, db)
 
 
 total.defvjp(_total_forward, _total_backward)

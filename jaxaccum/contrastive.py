@@ -25,7 +25,14 @@ Across devices: called with ``axis_name`` inside ``jax.shard_map`` over the data
 device keeps its own rows of both sides and the other side's blocks travel around a ring
 (``lax.ppermute``), forward and backward: no device gathers the batch's representations, and
 the loss and gradients are the whole batch's (tested equal to one device on 8 devices, Auto
-and Explicit meshes, and inside :func:`jaxaccum.coupled_value_and_grad`).
+and Explicit meshes, and inside :func:`jaxaccum.coupled_value_and_grad`). The building blocks
+take no ``axis_name``: called per device inside ``jax.shard_map`` (this device's rows of ``a``
+against a replicated ``b``; ``psum`` a :func:`pairwise_sum` yourself), their value and
+gradients are one device's, a replicated input's gradient summed over the devices once.
+
+Precision: the scores of the two losses are float32 dot products of the representations
+(``preferred_element_type``), every sum over tiles is float32, the value is float32 and each
+gradient comes back in its input's dtype (bfloat16 representations: bfloat16 gradients).
 
 Examples:
   >>> import jax, jax.numpy as jnp
@@ -124,6 +131,19 @@ def _check_block(entry: str, name: str, fn: Callable[..., Any], params: Any, a: 
         )
 
 
+def _float32_params(params: Any) -> Any:
+    """Floating leaves narrower than float32 (bf16, float16) as float32: the score sees them so
+    in every tile, forward and backward, and their gradient is summed over the tiles in float32
+    and rounded to their dtype once (JAX's pullback of a bf16 input is bf16: taken per tile,
+    each tile's share would be rounded before the sum)."""
+    def one(x: Any) -> Any:
+        dtype = jnp.result_type(x)
+        if jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits < 32:
+            return jnp.asarray(x).astype(jnp.float32)
+        return x
+    return jax.tree.map(one, params)
+
+
 def _dot(a: jax.Array, b: jax.Array) -> jax.Array:
     return jnp.einsum("id,jd->ij", a, b, preferred_element_type=jnp.float32)
 
@@ -143,11 +163,13 @@ def clip_loss(a: ArrayLike, b: ArrayLike, logit_scale: ArrayLike, *, tile: int =
       b: ``(B, d)``, the other side's; row ``i`` matches ``a``'s row ``i``.
       logit_scale: a scalar, the log of the multiplier of the dot products (CLIP's learnable
         ``logit_scale``, initialised to ``log(1 / 0.07)``).
-      tile: the rows and columns of a block of scores computed at once.
+      tile: the rows and columns of a block of scores computed at once (default 512: a
+        512 x 512 float32 block, 1 MiB).
       mask: ``(B,)`` booleans, False for examples left out (padding).
       axis_name: inside ``jax.shard_map``, the mesh axis the batch is split over: ``a``,
         ``b`` and ``mask`` are then this device's rows, and the loss is the whole batch's
-        (the same on every device), computed by a ring (see :func:`pairwise_logsumexp`).
+        (the same on every device), computed by a ring of ``lax.ppermute`` hops (the
+        module's docstring says how).
 
     Returns:
       A float32 scalar.
@@ -208,7 +230,8 @@ def siglip_loss(a: ArrayLike, b: ArrayLike, logit_scale: ArrayLike, logit_bias: 
       logit_scale: a scalar, the log of the multiplier (SigLIP's ``t'``, initialised to
         ``log 10``).
       logit_bias: a scalar added to every logit (initialised to -10 in SigLIP).
-      tile: the rows and columns of a block of logits computed at once.
+      tile: the rows and columns of a block of logits computed at once (default 512: a
+        512 x 512 float32 block, 1 MiB).
       mask: ``(B,)`` booleans, False for examples left out (padding).
       axis_name: inside ``jax.shard_map``, the mesh axis the batch is split over (as for
         :func:`clip_loss`): the loss is the whole batch's, by a ring.
@@ -258,10 +281,12 @@ def pairwise_logsumexp(score: Callable[[Any, Any, Any], jax.Array], params: Any,
         ``a``'s examples against a tile of ``b``'s (e.g. ColBERT's max-sim of token
         embeddings). It must be differentiable and treat examples independently.
       params: a pytree the score depends on (differentiated: a temperature, say); ``None`` if
-        none.
+        none. Leaves of a 16-bit float dtype reach ``score`` as float32 (their gradient comes
+        back in their dtype, summed over the tiles in float32).
       a: an array or pytree of arrays whose leaves share a leading axis of ``n_a`` examples.
       b: the same for ``n_b`` examples.
-      tile: the examples of each side in a tile.
+      tile: the examples of each side in a tile (default 512: 512 x 512 float32 scores,
+        1 MiB, at a time).
       mask: ``(n_b,)`` booleans, False for the examples of ``b`` left out of the sum.
 
     Returns:
@@ -285,7 +310,8 @@ def pairwise_logsumexp(score: Callable[[Any, Any, Any], jax.Array], params: Any,
     tile = _check_tile(entry, tile)
     n_a, n_b = _rows(entry, "a", a), _rows(entry, "b", b)
     _check_block(entry, "score", score, params, a, b, min(tile, n_a), min(tile, n_b))
-    return _tiles.logsumexp(score, tile, False, params, a, b, jnp.ones((n_a,), jnp.float32),
+    return _tiles.logsumexp(score, tile, False, _float32_params(params), a, b,
+                            jnp.ones((n_a,), jnp.float32),
                             _weights(entry, "mask", mask, n_b))[0]
 
 
@@ -298,10 +324,13 @@ def pairwise_sum(term: Callable[[Any, Any, Any, jax.Array], jax.Array], params: 
       term: ``term(params, x, y, positive)``: the ``(len(x), len(y))`` float values of a tile
         of pairs; ``positive`` is the tile's boolean matrix of ``i == j`` (the matching pairs
         when ``a`` and ``b`` are the two sides of one batch).
-      params: a pytree the term depends on (differentiated); ``None`` if none.
+      params: a pytree the term depends on (differentiated); ``None`` if none. Leaves of a
+        16-bit float dtype reach ``term`` as float32 (their gradient comes back in their
+        dtype, summed over the tiles in float32).
       a: an array or pytree of arrays whose leaves share a leading axis of ``n_a`` examples.
       b: the same for ``n_b`` examples.
-      tile: the examples of each side in a tile.
+      tile: the examples of each side in a tile (default 512: 512 x 512 float32 scores,
+        1 MiB, at a time).
       mask_a: ``(n_a,)`` booleans, False for examples of ``a`` left out.
       mask_b: ``(n_b,)`` booleans, False for examples of ``b`` left out.
 
@@ -324,5 +353,6 @@ def pairwise_sum(term: Callable[[Any, Any, Any, jax.Array], jax.Array], params: 
     n_a, n_b = _rows(entry, "a", a), _rows(entry, "b", b)
     ta, tb = min(tile, n_a), min(tile, n_b)
     _check_block(entry, "term", term, params, a, b, ta, tb, jnp.eye(ta, tb, dtype=bool))
-    return _tiles.total(term, tile, params, a, b, _weights(entry, "mask_a", mask_a, n_a),
+    return _tiles.total(term, tile, _float32_params(params), a, b,
+                        _weights(entry, "mask_a", mask_a, n_a),
                         _weights(entry, "mask_b", mask_b, n_b))

@@ -12,14 +12,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import examples
+from contrastive_strategies import block_cases, normal, pair_cases
 from hypothesis import given, settings
-from hypothesis import strategies as st
 
 import jaxaccum
 from jaxaccum.contrastive import clip_loss, pairwise_logsumexp, pairwise_sum, siglip_loss
-
-EPS32 = float(np.finfo(np.float32).eps)
-
 
 # --- the plain formulas, as the docstrings state them -------------------------------------------
 
@@ -38,23 +36,78 @@ def plain_siglip(a, b, logit_scale, logit_bias, mask):
     return jnp.sum(jnp.where(kept, -jax.nn.log_sigmoid(z * x), 0.0)) / jnp.sum(mask)
 
 
-def against_reference(tiled, plain, args, mask, magnitude):
-    """The tiled value and gradients (all float arguments) against the plain formula in
-    float64. The bound: 4x the plain formula's own float32 error, plus 64 ulps of the larger
-    of the leaf's largest value and ``magnitude``, the size of the terms it sums (a loss or
-    gradient near 0 is a difference of terms of that size: 0 - 0 has no relative error)."""
+EPS32 = float(np.finfo(np.float32).eps)
+# bfloat16's unit roundoff: round-to-nearest to its 8 significant bits moves x by <= U16 |x|
+U16 = 2.0**-8
+
+
+def _leaves(tree):
+    return [np.asarray(x, np.float64) for x in jax.tree.leaves(tree)]
+
+
+def _f32_error(plain32, ref, magnitude):
+    """Per leaf, the float32 error allowed: 4x the plain formula's own float32 error, plus 64
+    ulps of the larger of the leaf's largest value and ``magnitude``, the size of the terms it
+    sums (a loss or gradient near 0 is a difference of terms of that size: 0 - 0 has no
+    relative error)."""
+    return [4 * np.max(np.abs(p - r)) + 64 * EPS32 * max(np.max(np.abs(r)), magnitude)
+            for p, r in zip(_leaves(plain32), _leaves(ref), strict=True)]
+
+
+def _grads_and_reference(tiled, plain, args, mask):
     n = len(args)
     got = jax.jit(jax.value_and_grad(tiled, argnums=tuple(range(n))))(*args)
-    plain32 = jax.jit(jax.value_and_grad(plain, argnums=tuple(range(n))))(*args, mask)
+    # the value is a float32 scalar, each gradient in its argument's dtype (bf16 for bf16)
+    assert got[0].dtype == jnp.float32 and got[0].shape == (), got[0]
+    for g, x in zip(jax.tree.leaves(got[1]), jax.tree.leaves(args), strict=True):
+        assert g.dtype == jnp.result_type(x) and g.shape == jnp.shape(x), (g.dtype, x.dtype)
+    args32 = jax.tree.map(lambda x: np.asarray(x, np.float32), args)  # exact from bf16
+    plain32 = jax.jit(jax.value_and_grad(plain, argnums=tuple(range(n))))(*args32, mask)
     with jax.enable_x64(True):
         args64 = jax.tree.map(lambda x: np.asarray(x, np.float64), args)
-        ref = jax.value_and_grad(plain, argnums=tuple(range(n)))(*args64, mask)
+        # jitted: op by op, a float64 value_and_grad dispatches for tens of seconds
+        ref = jax.jit(jax.value_and_grad(plain, argnums=tuple(range(n))))(*args64, mask)
         ref = jax.tree.map(np.asarray, ref)
-    for g, p, r in zip(jax.tree.leaves(got), jax.tree.leaves(plain32), jax.tree.leaves(ref),
-                       strict=True):
-        g, p = np.asarray(g, np.float64), np.asarray(p, np.float64)
-        bound = 4 * np.max(np.abs(p - r)) + 64 * EPS32 * max(np.max(np.abs(r)), magnitude)
-        assert np.max(np.abs(g - r)) <= bound, (np.max(np.abs(g - r)), bound)
+    return got, plain32, ref
+
+
+def against_reference(tiled, plain, args, mask, magnitude):
+    """The tiled value and gradients (all float arguments) against the plain formula in
+    float64, within float32 error (:func:`_f32_error`); the dtypes asserted."""
+    got, plain32, ref = _grads_and_reference(tiled, plain, args, mask)
+    for g, r, e32 in zip(_leaves(got), _leaves(ref), _f32_error(plain32, ref, magnitude),
+                         strict=True):
+        assert np.max(np.abs(g - r)) <= e32, (np.max(np.abs(g - r)), e32)
+
+
+def against_reference_bf16(tiled, plain, args, mask, magnitude):
+    """bfloat16 arguments: the tiled value and gradients against the plain formula in float64
+    (of the same bf16 values, exactly), the dtypes asserted (the value float32, gradients
+    bf16).
+
+    The bound. Plain JAX on the full batch in bf16 rounds every score, exponential and partial
+    sum to bf16 (excess precision is off): its error E_plain (largest over the leaf). The tiled
+    losses take the scores from bf16 operands into float32 (preferred_element_type) and keep
+    every sum over tiles in float32; what they round to bf16 is each tile's cotangent of a bf16
+    input (JAX's pullback of a bf16 operand is bf16), as plain JAX rounds its one cotangent,
+    and the returned gradient (by <= U16 of itself). So:
+    - the float32 value: within float32 error e32 of the reference (:func:`_f32_error` of the
+      plain formula run in float32 on the same bf16 values), far below E_plain;
+    - each gradient leaf: <= c E_plain + U16 max|r| + e32 with c = 1, no worse than the plain
+      bf16 computation, which rounds as often and more, up to the tiled result's own final
+      rounding (a sup-norm E_plain may fall on an element that happened to round well, so it
+      bounds no other element's rounding: c alone cannot cover it).
+    A score rounded to bf16 (no preferred_element_type) moves the value by ~U16 |score|, far
+    outside e32; a cotangent accumulated in bf16 over >= 5 tiles rounds every running sum, one
+    rounding per tile where plain JAX's dot rounds once: outside the gradients' bound."""
+    got, plain32, ref = _grads_and_reference(tiled, plain, args, mask)
+    n = len(args)
+    plain16 = jax.jit(jax.value_and_grad(plain, argnums=tuple(range(n))))(*args, mask)
+    for i, (g, r, p16, e32) in enumerate(zip(_leaves(got), _leaves(ref), _leaves(plain16),
+                                             _f32_error(plain32, ref, magnitude), strict=True)):
+        err, e_plain = np.max(np.abs(g - r)), np.max(np.abs(p16 - r))
+        bound = e32 if i == 0 else 1 * e_plain + U16 * np.max(np.abs(r)) + e32
+        assert err <= bound, (i, err, bound, e_plain, e32)
 
 
 def magnitude(a, b, logit_scale, logit_bias=0.0):
@@ -64,36 +117,183 @@ def magnitude(a, b, logit_scale, logit_bias=0.0):
     return (1 + np.exp(logit_scale) * na * nb + abs(logit_bias)) * max(1.0, na, nb)
 
 
-cases = st.fixed_dictionaries({
-    "n": st.integers(1, 70), "d": st.integers(1, 6), "tile": st.integers(1, 80),
-    "seed": st.integers(0, 2**16), "logit_scale": st.floats(-1.0, 2.5),
-    "logit_bias": st.floats(-5.0, 2.0), "masked": st.booleans()})
+def pair_args(case):
+    return case["a"], case["b"], case["logit_scale"], case["logit_bias"]
 
 
-def draw(case):
-    rng = np.random.default_rng(case["seed"])
-    a, b = rng.normal(size=(2, case["n"], case["d"])).astype(np.float32)
-    mask = rng.uniform(size=case["n"]) > 0.3 if case["masked"] else np.ones(case["n"], bool)
-    mask[rng.integers(case["n"])] = True  # at least one example kept
-    return a, b, mask
+def tiled_clip(case):
+    return lambda a, b, s: clip_loss(a, b, s, tile=case["tile"], mask=case["mask"])
 
 
-@settings(max_examples=10, deadline=None)
-@given(case=cases)
+def tiled_siglip(case):
+    return lambda a, b, s, t: siglip_loss(a, b, s, t, tile=case["tile"], mask=case["mask"])
+
+
+@settings(max_examples=examples(10), deadline=None)
+@given(case=pair_cases())
 def test_clip_loss_is_the_plain_formula(case):
-    a, b, mask = draw(case)
-    s = np.float32(case["logit_scale"])
-    against_reference(lambda a, b, s: clip_loss(a, b, s, tile=case["tile"], mask=mask),
-                      plain_clip, (a, b, s), mask, magnitude(a, b, s))
+    a, b, s, _ = pair_args(case)
+    against_reference(tiled_clip(case), plain_clip, (a, b, s), case["mask"], magnitude(a, b, s))
 
 
-@settings(max_examples=10, deadline=None)
-@given(case=cases)
+@settings(max_examples=examples(10), deadline=None)
+@given(case=pair_cases())
 def test_siglip_loss_is_the_plain_formula(case):
-    a, b, mask = draw(case)
-    s, t = np.float32(case["logit_scale"]), np.float32(case["logit_bias"])
-    against_reference(lambda a, b, s, t: siglip_loss(a, b, s, t, tile=case["tile"], mask=mask),
-                      plain_siglip, (a, b, s, t), mask, magnitude(a, b, s, t))
+    a, b, s, t = pair_args(case)
+    against_reference(tiled_siglip(case), plain_siglip, (a, b, s, t), case["mask"],
+                      magnitude(a, b, s, t))
+
+
+# --- the building blocks: pytree sides, unequal lengths, float params --------------------------
+
+
+def block_score(p, x, y):
+    """A score of pytree sides and params: exp(t) u_i . y_j + c v_i . w_j, the dot products in
+    the operands' dtype (plain JAX: bf16 for bf16 operands)."""
+    return jnp.exp(p["t"]) * (x["u"] @ y[0].T) + p["c"] * (x["v"] @ y[1].T)
+
+
+def block_score_f32(p, x, y):
+    """:func:`block_score` with float32 dot products of any operands, as a score passed to the
+    building blocks should be (the blocks sum in float32, the score is the caller's)."""
+    def dot(u, v):
+        return jnp.einsum("id,jd->ij", u, v, preferred_element_type=jnp.float32)
+    return jnp.exp(p["t"]) * dot(x["u"], y[0]) + p["c"] * dot(x["v"], y[1])
+
+
+def block_term(score):
+    def term(p, x, y, positive):  # positive: the matching pairs (i == j), scored once more
+        s = score(p, x, y)
+        return jnp.tanh(s) + jnp.where(positive, s, 0.0)
+    return term
+
+
+def plain_lse_loss(p, a, b, mask):
+    """sum_i sin(logsumexp_j over the kept b_j): a nonlinear use of every row (each row's
+    cotangent differs)."""
+    s = jnp.where(mask[None, :], block_score(p, a, b), -jnp.inf)
+    return jnp.sum(jnp.sin(jax.nn.logsumexp(s, axis=1)))
+
+
+def plain_block_sum(p, a, b, masks):
+    s = block_score(p, a, b)
+    positive = jnp.eye(s.shape[0], s.shape[1], dtype=bool)  # one device: global indices
+    kept = masks[0][:, None] & masks[1][None, :]
+    return jnp.sum(jnp.where(kept, jnp.tanh(s) + jnp.where(positive, s, 0.0), 0.0))
+
+
+def tiled_lse_loss(case):
+    def loss(p, a, b):
+        lse = pairwise_logsumexp(block_score_f32, p, a, b, tile=case["tile"],
+                                 mask=case["mask_b"])
+        return jnp.sum(jnp.sin(lse))
+    return loss
+
+
+def tiled_block_sum(case):
+    return lambda p, a, b: pairwise_sum(block_term(block_score_f32), p, a, b, tile=case["tile"],
+                                        mask_a=case["mask_a"], mask_b=case["mask_b"])
+
+
+def block_magnitude(case):
+    """The size of the scores (and of the gradients' terms), as :func:`magnitude`: the largest
+    |score| from the norms, plus 1, times the largest row norm."""
+    (u, v), (y, w), p = (case["a"]["u"], case["a"]["v"]), case["b"], case["params"]
+    norm = lambda x: float(np.linalg.norm(np.asarray(x, np.float64), axis=-1).max())  # noqa: E731
+    largest = np.exp(float(p["t"])) * norm(u) * norm(y) + abs(float(p["c"])) * norm(v) * norm(w)
+    return (1 + largest) * max(1.0, norm(u), norm(v), norm(y), norm(w))
+
+
+def block_args(case):
+    return case["params"], case["a"], case["b"]
+
+
+@settings(max_examples=examples(3), deadline=None)
+@given(case=block_cases())
+def test_pairwise_logsumexp_is_the_plain_logsumexp(case):
+    """Pytree sides of unequal lengths, pytree float params, every mask layout of b; the rows
+    are (n_a,) float32."""
+    lse = pairwise_logsumexp(block_score_f32, *block_args(case), tile=case["tile"],
+                             mask=case["mask_b"])
+    assert lse.dtype == jnp.float32 and lse.shape == (case["a"]["u"].shape[0],), lse
+    against_reference(tiled_lse_loss(case), plain_lse_loss, block_args(case), case["mask_b"],
+                      block_magnitude(case))
+
+
+@settings(max_examples=examples(3), deadline=None)
+@given(case=block_cases())
+def test_pairwise_sum_is_the_plain_sum_over_the_kept_pairs(case):
+    """As above, both sides masked; the matching pairs (i == j) marked as on one device."""
+    against_reference(tiled_block_sum(case), plain_block_sum, block_args(case),
+                      (case["mask_a"], case["mask_b"]), block_magnitude(case))
+
+
+# every layout of the two sides, each run, whatever the draws above hit: both sides shorter
+# than the tile and unequal (the tile is cut to each side separately), a tile between the
+# sides, a tile dividing neither; padding in the first tile of one side, the last of the other
+SIDES = [(3, 7, 10), (7, 3, 10), (5, 12, 8), (12, 5, 8), (13, 9, 4)]
+
+
+def fixed_block_case(n_a, n_b, tile, seed=11):
+    mask_a, mask_b = np.ones(n_a, bool), np.ones(n_b, bool)
+    mask_a[:min(tile, n_a) - 1] = False  # all but one example of a's first tile
+    mask_b[(-(-n_b // min(tile, n_b)) - 1) * min(tile, n_b):] = False  # b's last tile
+    mask_b[0] = True
+    return {"a": {"u": normal(seed, n_a, 3), "v": normal(seed + 1, n_a, 2)},
+            "b": (normal(seed + 2, n_b, 3), normal(seed + 3, n_b, 2, scale=0.5)),
+            "params": {"t": np.float32(0.3), "c": np.float32(-0.4)}, "tile": tile,
+            "mask_a": mask_a, "mask_b": mask_b}
+
+
+@pytest.mark.parametrize("n_a, n_b, tile", SIDES)
+def test_the_building_blocks_for_every_layout_of_the_sides(n_a, n_b, tile):
+    """pairwise_sum (whose term marks the matching pairs, i == j) and pairwise_logsumexp on
+    unequal sides against the float64 plain formulas."""
+    case = fixed_block_case(n_a, n_b, tile)
+    against_reference(tiled_block_sum(case), plain_block_sum, block_args(case),
+                      (case["mask_a"], case["mask_b"]), block_magnitude(case))
+    against_reference(tiled_lse_loss(case), plain_lse_loss, block_args(case), case["mask_b"],
+                      block_magnitude(case))
+
+
+# --- bfloat16 representations and params ---------------------------------------------------
+
+
+def bf16(tree):
+    return jax.tree.map(lambda x: jnp.asarray(x, jnp.bfloat16), tree)
+
+
+@settings(max_examples=examples(2), deadline=None)
+@given(case=pair_cases(many_tiles=True))
+def test_bf16_clip_loss_sums_in_float32(case):
+    """bf16 representations (the scale stays a float32 scalar: clip_loss casts it)."""
+    a, b, s, _ = pair_args(case)
+    against_reference_bf16(tiled_clip(case), plain_clip, (*bf16((a, b)), s), case["mask"],
+                           magnitude(a, b, s))
+
+
+@settings(max_examples=examples(2), deadline=None)
+@given(case=pair_cases(many_tiles=True))
+def test_bf16_siglip_loss_sums_in_float32(case):
+    a, b, s, t = pair_args(case)
+    against_reference_bf16(tiled_siglip(case), plain_siglip, (*bf16((a, b)), s, t),
+                           case["mask"], magnitude(a, b, s, t))
+
+
+@settings(max_examples=examples(2), deadline=None)
+@given(case=block_cases(many_tiles=True))
+def test_bf16_pairwise_logsumexp_sums_in_float32(case):
+    """bf16 sides and bf16 params (a pytree param may be any float dtype; its gradient comes
+    back bf16)."""
+    against_reference_bf16(tiled_lse_loss(case), plain_lse_loss, bf16(block_args(case)),
+                           case["mask_b"], block_magnitude(case))
+
+
+@settings(max_examples=examples(2), deadline=None)
+@given(case=block_cases(many_tiles=True))
+def test_bf16_pairwise_sum_sums_in_float32(case):
+    against_reference_bf16(tiled_block_sum(case), plain_block_sum, bf16(block_args(case)),
+                           (case["mask_a"], case["mask_b"]), block_magnitude(case))
 
 
 @pytest.mark.parametrize("tile", [pytest.param(1024, marks=pytest.mark.slow), 1000])

@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxaccum
 from jaxaccum import _hlo
-from jaxaccum.contrastive import clip_loss, siglip_loss
+from jaxaccum.contrastive import clip_loss, pairwise_logsumexp, pairwise_sum, siglip_loss
 
 from .common import emit, hlo_text, memory
 
@@ -74,9 +74,67 @@ def main() -> None:
                 "all_gather_bytes": max([size for op, _, size, _ in ops if op == "all-gather"],
                                         default=0),
             }
+        with jax.set_mesh(mesh):
+            for name, r in blocks(mesh).items():
+                out[f"{name}/{kind.name.lower()}"] = r
     out["coupled"] = coupled()
     out["memory"] = ring_memory()
     emit(out)
+
+
+N_B = 8 * 5 + 3  # the whole other side: tiles (TILE) that divide neither it nor a device's 24
+
+
+def block_score(p: Any, x: Any, y: jax.Array) -> jax.Array:
+    """A pytree side and pytree params: ``exp(p["t"]) * x["u"] . y + p["c"] * |x["v"]|``."""
+    dot = jnp.einsum("id,jd->ij", x["u"], y, preferred_element_type=jnp.float32)
+    return jnp.exp(p["t"]) * dot + p["c"] * jnp.sum(x["v"] ** 2, axis=1)[:, None]
+
+
+def block_term(p: Any, x: Any, y: jax.Array, positive: jax.Array) -> jax.Array:
+    return jnp.tanh(block_score(p, x, y))  # positive: local indices per device, not used
+
+
+def blocks(mesh: jax.sharding.Mesh) -> dict[str, Any]:
+    """The building blocks called per device inside ``jax.shard_map`` (a sharded over the
+    data axis; b, its mask and the params replicated): ``pairwise_logsumexp`` of this device's
+    rows of a against the whole b, and ``pairwise_sum`` of this device's rows against all of b,
+    psum'ed, against one device: value and gradients (params, a, b). Their scan carries must
+    be typed varying from the start (the scores vary over the axis), and the replicated inputs'
+    cotangents summed over the devices."""
+    rng = np.random.default_rng(2)
+    a = {"u": rng.normal(size=(B, E)).astype(np.float32),
+         "v": rng.normal(size=(B, 2)).astype(np.float32)}
+    b = rng.normal(size=(N_B, E)).astype(np.float32)
+    p = {"t": np.float32(0.3), "c": np.float32(-0.2)}
+    mask_a, mask_b = rng.uniform(size=B) > 0.2, rng.uniform(size=N_B) > 0.2
+
+    def lse(p: Any, a: Any, b: Any, mb: Any) -> jax.Array:
+        return pairwise_logsumexp(block_score, p, a, b, tile=TILE, mask=mb)
+
+    def total(p: Any, a: Any, b: Any, ma: Any, mb: Any) -> jax.Array:
+        return pairwise_sum(block_term, p, a, b, tile=TILE, mask_a=ma, mask_b=mb)
+
+    def lse_loss(fn: Any) -> Any:  # a nonlinear use of every row's log-sum-exp
+        return lambda p, a, b: jnp.sum(jnp.sin(fn(p, a, b, mask_b)))
+
+    ring_lse = jax.shard_map(lse, mesh=mesh, in_specs=(P(), P("data"), P(), P()),
+                             out_specs=P("data"))
+    ring_total = jax.shard_map(lambda *args: jax.lax.psum(total(*args), "data"), mesh=mesh,
+                               in_specs=(P(), P("data"), P(), P("data"), P()), out_specs=P())
+    rows = NamedSharding(mesh, P("data"))
+    a_rows, ma_rows = jax.device_put(a, rows), jax.device_put(mask_a, rows)
+    out = {}
+    for name, fn, ref_fn in (
+            ("lse", lse_loss(ring_lse), lse_loss(lse)),
+            ("sum", lambda p, a, b: ring_total(p, a, b, ma_rows, mask_b),
+             lambda p, a, b: total(p, a, b, mask_a, mask_b))):
+        got = jax.jit(jax.value_and_grad(fn, argnums=(0, 1, 2)))(p, a_rows, b)
+        ref = jax.jit(jax.value_and_grad(ref_fn, argnums=(0, 1, 2)))(p, a, b)
+        out[f"{name}-block"] = {"rel": rel(got, ref)}
+    values = jax.jit(ring_lse)(p, a_rows, b, mask_b)
+    out["lse-block"]["rows"] = rel(values, lse(p, a, b, mask_b))
+    return out
 
 
 def ring_memory() -> dict[str, Any]:
