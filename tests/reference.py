@@ -197,6 +197,32 @@ def expected(s: Scenario) -> Expected:
         rows.append(dict(wt=wt, loss=loss, grad=grad, finite=finite, aux=values, n=len(idx),
                          loss_abs=loss_abs, grad_abs=grad_abs, idx=idx))
 
+    c = combine(s, rows, d)
+    skipped, kept, total, loss, grads = c["skipped"], c["kept"], c["total"], c["loss"], c["grads"]
+    loss_mag, grad_mag = c["loss_mag"], c["grad_mag"]
+    # float32 evaluation: each micro-batch's terms are sums of at most B + D products, then at
+    # most k additions and a division; gamma_n = n eps32 bounds each against the sum of |terms|
+    n_ops = x.shape[0] + d + s.k + 4
+    scale = 1.0 / total if total and np.isfinite(total) else 0.0
+    loss_bound = 2 * n_ops * EPS32 * loss_mag * scale + 1e-30
+    grads_bound = 2 * n_ops * EPS32 * grad_mag * scale + 1e-30
+
+    aux: dict[str, Any] | None = None
+    dtypes: dict[str, Any] | None = None
+    if s.aux is not None:
+        aux, dtypes = _expected_aux(s, rows, kept)
+    noise = _expected_noise(s, rows, kept, grads) if s.noise_scale else None
+    evaluated = len(rows)
+    return Expected(float(loss), grads, float(total), skipped, evaluated, aux, dtypes, noise,
+                    loss_bound, grads_bound, stepped=bool(total != 0))
+
+
+def combine(s: Scenario, rows: list[dict], d: int,
+            magnitudes: Any = lambda row: (row["loss_abs"], row["grad_abs"])) -> dict[str, Any]:
+    """The documented combination of the micro-batch ``rows`` (each ``wt``, ``loss``,
+    ``grad``, ``finite``) in float64: which are skipped and kept, the total weight, the loss
+    and gradients (0 for a total of 0, NaN for an invalid weight), and the weighted sums of
+    the terms' ``magnitudes(row)`` (the rounding bounds' scale)."""
     skipped = 0
     total, loss_sum, grad_sum = 0.0, 0.0, np.zeros(d)
     loss_mag, grad_mag = 0.0, np.zeros(d)
@@ -215,28 +241,22 @@ def expected(s: Scenario) -> Expected:
         total += wt
         loss_sum += wt * row["loss"]
         grad_sum = grad_sum + wt * row["grad"]
-        loss_mag += wt * row["loss_abs"]
-        grad_mag = grad_mag + wt * row["grad_abs"]
+        loss_abs, grad_abs = magnitudes(row)
+        loss_mag += wt * loss_abs
+        grad_mag = grad_mag + wt * grad_abs
     with np.errstate(all="ignore"):
-        if total == 0:
-            loss, grads = 0.0, np.zeros(d)
-        else:
-            loss, grads = loss_sum / total, grad_sum / total
-    # float32 evaluation: each micro-batch's terms are sums of at most B + D products, then at
-    # most k additions and a division; gamma_n = n eps32 bounds each against the sum of |terms|
-    n_ops = x.shape[0] + d + s.k + 4
-    scale = 1.0 / total if total and np.isfinite(total) else 0.0
-    loss_bound = 2 * n_ops * EPS32 * loss_mag * scale + 1e-30
-    grads_bound = 2 * n_ops * EPS32 * grad_mag * scale + 1e-30
+        loss, grads = (0.0, np.zeros(d)) if total == 0 else (loss_sum / total, grad_sum / total)
+    return dict(skipped=skipped, kept=kept, total=total, loss=loss, grads=grads,
+                loss_mag=loss_mag, grad_mag=grad_mag)
 
-    aux: dict[str, Any] | None = None
-    dtypes: dict[str, Any] | None = None
-    if s.aux is not None:
-        aux, dtypes = _expected_aux(s, rows, kept)
-    noise = _expected_noise(s, rows, kept, grads) if s.noise_scale else None
-    evaluated = len(rows)
-    return Expected(float(loss), grads, float(total), skipped, evaluated, aux, dtypes, noise,
-                    loss_bound, grads_bound, stepped=bool(total != 0))
+
+# the reduction names each aux leaf of the scenarios may take (every one its kind allows)
+LEAF_NAMES = {
+    "res": ("stack", "concat"),
+    "avg": ("stack", "sum", "mean", "weighted_mean", "max", "min", "last"),
+    "pos": ("stack", "sum", "mean", "max", "min", "last"),
+    "half": ("stack", "sum", "mean", "weighted_mean", "max", "min", "last"),
+}
 
 
 _DTYPES = {"res": np.float32, "avg": np.float32, "pos": np.int32, "half": ml_dtypes.bfloat16}

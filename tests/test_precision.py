@@ -36,7 +36,17 @@ import pytest
 from conftest import examples
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
-from reference import EPS16, EPS32, FRONT_ENDS, STEPS, Scenario, _expected_aux, assert_close
+from reference import (
+    EPS16,
+    EPS32,
+    FRONT_ENDS,
+    LEAF_NAMES,
+    STEPS,
+    Scenario,
+    _expected_aux,
+    assert_close,
+    combine,
+)
 from reference import loss_fn as reference_loss
 from reference import run as run_front_end
 
@@ -98,27 +108,10 @@ def _model(s: Scenario) -> dict[str, Any]:
     """The documented combination of the plain micro-batch results, in float64, with the
     float32 bounds of the accumulation's own arithmetic (absolute, per element)."""
     rows = _microbatch_rows(s)
-    skipped, kept = 0, []
-    total, loss_sum, grad_sum = 0.0, 0.0, np.zeros(D)
-    loss_mag, grad_mag = 0.0, np.zeros(D)
-    for row in rows:
-        wt = row["wt"]
-        if s.skip_nonfinite and wt != 0 and not (row["finite"] and wt > 0):
-            skipped += 1
-            continue
-        kept.append(row)
-        if wt == 0:
-            continue  # adds nothing, not even a NaN
-        if not wt > 0:
-            total, loss_sum, grad_sum = np.nan, np.nan, grad_sum * np.nan
-            continue
-        total += wt
-        loss_sum += wt * row["loss"]
-        grad_sum = grad_sum + wt * row["grad"]
-        loss_mag += wt * abs(row["loss"])
-        grad_mag = grad_mag + wt * np.abs(row["grad"])
-    with np.errstate(all="ignore"):
-        loss, grads = (0.0, np.zeros(D)) if total == 0 else (loss_sum / total, grad_sum / total)
+    # the bf16 micro-batch results are the terms: their own size is the bounds' scale
+    c = combine(s, rows, D, lambda row: (abs(row["loss"]), np.abs(row["grad"])))
+    skipped, kept, total, loss, grads = c["skipped"], c["kept"], c["total"], c["loss"], c["grads"]
+    loss_mag, grad_mag = c["loss_mag"], c["grad_mag"]
     # float32 arithmetic of the accumulation: per element one product w_i * g_i and k sums
     # (the weight's own k sums), then 1/total and one multiply: at most k + 4 roundings of
     # eps32 each, relative to the sum of |terms| / total (doubled: first-order bounds)
@@ -246,14 +239,6 @@ def _verify_noise(s: Scenario, noise: Any, want: dict[str, Any]) -> None:
 
 
 # --- scenarios --------------------------------------------------------------------------------
-
-LEAF_NAMES = {
-    "res": ("stack", "concat"),
-    "avg": ("stack", "sum", "mean", "weighted_mean", "max", "min", "last"),
-    "pos": ("stack", "sum", "mean", "max", "min", "last"),
-    "half": ("stack", "sum", "mean", "weighted_mean", "max", "min", "last"),
-}
-
 
 @st.composite
 def bf16_scenarios(draw: Any) -> tuple[str, Scenario]:

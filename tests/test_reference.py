@@ -21,21 +21,13 @@ import pytest
 from conftest import examples
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from reference import FRONT_ENDS, Scenario, check
+from reference import FRONT_ENDS, LEAF_NAMES, Scenario, check
 
 EXAMPLES = int(os.environ.get("JAXACCUM_REFERENCE_EXAMPLES", "12"))
 D = 3
 
 
 # --- scenarios --------------------------------------------------------------------------------
-
-LEAF_NAMES = {
-    "res": ("stack", "concat"),
-    "avg": ("stack", "sum", "mean", "weighted_mean", "max", "min", "last"),
-    "pos": ("stack", "sum", "mean", "max", "min", "last"),
-    "half": ("stack", "sum", "mean", "weighted_mean", "max", "min", "last"),
-}
-
 
 @st.composite
 def scenarios(draw: Any) -> Scenario:
