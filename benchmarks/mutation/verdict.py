@@ -76,7 +76,7 @@ for _module in ("jaxaccum/_reductions.py", "jaxaccum/_microbatches.py", "jaxaccu
     TESTS[_module] += MESH_PARITY  # every option on a mesh, the paths only taken there
 # seconds: about 4 times what the module's tests take unmutated on 2 busy cores
 # (the pair losses' tests: 1,240 s unmutated on the 2 busy cores, 280 s of CPU)
-TIMEOUT = {"jaxaccum/packing.py": 150, "jaxaccum/contrastive.py": 1500,
+TIMEOUT = {"jaxaccum/packing.py": 420, "jaxaccum/contrastive.py": 1500,
            "jaxaccum/_tiles.py": 1500, "jaxaccum/_ring.py": 1500}
 
 
