@@ -66,7 +66,7 @@ TESTS = {
     "jaxaccum/_tiles.py": [*PAIR, *PRECISION],
     "jaxaccum/_ring.py": [*PAIR, *PRECISION],
     "jaxaccum/grain.py": ["tests/test_grain.py"],
-    "jaxaccum/_pipeline.py": [*REFERENCE, *MESH, *PRECISION, *MESH_PARITY],
+    "jaxaccum/_pipeline.py": [*REFERENCE, "tests/test_carry.py", *MESH, *PRECISION, *MESH_PARITY],
     "jaxaccum/_multi_steps.py": ["tests/test_multi_steps.py", *PRECISION],
 }
 for _module in ("jaxaccum/_reductions.py", "jaxaccum/_microbatches.py", "jaxaccum/_options.py",
