@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import optax
 from jax.typing import ArrayLike, DTypeLike
 
-from jaxaccum import _reductions, _validation
+from jaxaccum import _options, _reductions, _validation
 
 ShouldSkipUpdateFn = Callable[[optax.Updates, jax.Array, "optax.Params | None"], tuple[Any, Any]]
 
@@ -203,8 +203,8 @@ def _check_keywords(unknown: dict[str, Any]) -> None:
         )
 
 
-_OPTIONS = ("num_microbatches", "microbatch_size", "max_microbatches", "has_aux", "weighted",
-            "mesh", "noise_scale", "unroll")
+# the accumulation options multi_steps has no use for (it is given one gradient per call)
+_OPTIONS = tuple(name for name in _options.Options.__dataclass_fields__ if name not in _KEYWORDS)
 
 
 def _check_bool(value: Any, name: str) -> None:
