@@ -17,6 +17,30 @@ NO_EXCESS_PRECISION = "--xla_allow_excess_precision=false"
 if NO_EXCESS_PRECISION not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {NO_EXCESS_PRECISION}".strip()
 
+# The suite's cost is compiling, not running: its shapes are small. Two settings cut it by about
+# a third and change no result a test checks.
+# - LLVM's optimisation level 0 for the CPU code. XLA's HLO passes (fusion, layout, buffer
+#   assignment: the memory the tests read) still run; only the machine code is less tuned.
+#   JAXACCUM_TEST_COMPILER=default keeps XLA's default, the code users run.
+# - One compilation cache for the session, its xdist workers and its multi-device programs:
+#   the same program (same HLO, same flags) compiled by two tests is compiled once. Set here,
+#   in the process that starts the workers, so they all inherit one directory.
+CODEGEN_LEVEL = "--xla_backend_optimization_level=0"
+if os.environ.get("JAXACCUM_TEST_COMPILER", "fast") == "fast":
+    if "--xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
+        os.environ["XLA_FLAGS"] += f" {CODEGEN_LEVEL}"
+    if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+        import atexit
+        import shutil
+        import tempfile
+
+        _cache = tempfile.mkdtemp(prefix="jaxaccum-tests-jit-")
+        atexit.register(shutil.rmtree, _cache, ignore_errors=True)  # (only its creator's exit)
+        os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
+        # every program, however quick to compile or small
+        os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+        os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+
 import jax
 import jax.numpy as jnp
 import numpy as np
