@@ -80,6 +80,15 @@ TIMEOUT = {"jaxaccum/packing.py": 420, "jaxaccum/contrastive.py": 1500,
            "jaxaccum/_tiles.py": 1500, "jaxaccum/_ring.py": 1500}
 
 
+# One compilation cache for every mutant of a run (tests/conftest.py makes one per session
+# otherwise): a program a mutant leaves unchanged, the same HLO, is compiled once in the run.
+CACHE = {"JAX_COMPILATION_CACHE_DIR": os.environ.get(
+             "JAX_COMPILATION_CACHE_DIR",
+             os.path.join(tempfile.gettempdir(), f"jaxaccum-mutation-jit-{os.getuid()}")),
+         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+         "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+
+
 def mutated() -> tuple[str, str]:
     names = subprocess.run(["git", "diff", "--name-only", "--", "jaxaccum"],
                            capture_output=True, text=True, check=True).stdout.split()
@@ -121,7 +130,7 @@ def main() -> int:
         tests = [*TESTS.get(name, REFERENCE), name]  # the module's own doctests too
         here = os.path.dirname(os.path.abspath(__file__))
         with tempfile.NamedTemporaryFile(suffix=".jsonl") as record:
-            env = {**os.environ, "JAXACCUM_REFERENCE_EXAMPLES": "6",
+            env = {**os.environ, **CACHE, "JAXACCUM_REFERENCE_EXAMPLES": "6",
                    "JAXACCUM_REFERENCE_MESH_CASES": "2",
                    "JAXACCUM_HYPOTHESIS_PROFILE": "no-shrink",
                    "JAXACCUM_MUTATION_FAILURES": record.name,
