@@ -20,7 +20,7 @@ from jaxaccum._multi_steps import (
     multi_steps,
 )
 from jaxaccum._noise import NoiseScale
-from jaxaccum._options import DataParallel, Options
+from jaxaccum._options import DataParallel, Options, OptionsDict
 from jaxaccum._plan import MemoryEstimate, MicrobatchPlan, plan_microbatches
 from jaxaccum._train_step import StepInfo, TrainStep, train_step
 from jaxaccum._value_and_grad import value_and_grad
@@ -35,6 +35,7 @@ __all__ = [
     "MultiStepsTransformation",
     "NoiseScale",
     "Options",
+    "OptionsDict",
     "StepInfo",
     "TrainStep",
     "check",

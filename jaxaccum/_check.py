@@ -5,12 +5,13 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Unpack
 
 import jax
 import numpy as np
 
 from jaxaccum import _hlo, _options, _train_step, _value_and_grad
+from jaxaccum._options import OptionsDict
 
 EPS32 = float(np.finfo(np.float32).eps)
 # Accumulation reorders float32 sums; its rounding error is of the order of the full batch's own
@@ -76,7 +77,7 @@ def check(
     batch: Any,
     *rest: Any,
     step: Callable[..., tuple[Any, Any]] | None = None,
-    **options: Any,
+    **options: Unpack[OptionsDict],
 ) -> CheckReport:
     """Checks an accumulated gradient against the full batch, on a probe batch, once.
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Unpack
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +35,7 @@ from jaxaccum import (
     _train_step,
     _value_and_grad,
 )
+from jaxaccum._options import OptionsDict
 from jaxaccum._records import Result, step_info
 
 
@@ -80,7 +81,7 @@ NOT_COUPLED = {
 }
 
 
-def _refuse(entry: str, options: dict[str, Any]) -> None:
+def _refuse(entry: str, options: OptionsDict) -> None:
     for name, why in NOT_COUPLED.items():
         if options.get(name) not in (None, False):
             raise TypeError(f"{entry}: {name}= is not taken: {why}; remove it here")
@@ -91,7 +92,7 @@ def coupled_value_and_grad(
     loss: Callable[..., Any],
     *,
     return_info: bool = False,
-    **options: Any,
+    **options: Unpack[OptionsDict],
 ) -> Callable[..., tuple[Any, ...]]:
     """``jax.value_and_grad`` of a loss that couples the whole batch, over k micro-batches.
 
@@ -152,7 +153,7 @@ def coupled_value_and_grad(
 
 
 def _coupled(entry: str, encode: Callable[..., Any], loss: Callable[..., Any],
-             options: dict[str, Any]) -> tuple[_options.Options, Callable[..., Result]]:
+             options: OptionsDict) -> tuple[_options.Options, Callable[..., Result]]:
     """The options of a coupled loss, parsed once, and its ``(params, batch, *rest) ->
     Result``: a forward pass for the representations, the loss and its cotangents on the
     whole batch, and a replay pass pulling each micro-batch's slice back: the gradient of the
@@ -198,7 +199,7 @@ def statistics_first(
     fun: Callable[..., Any],
     *,
     return_info: bool = False,
-    **options: Any,
+    **options: Unpack[OptionsDict],
 ) -> Callable[..., tuple[Any, ...]]:
     """``value_and_grad`` of a loss that needs statistics of the whole batch.
 
@@ -250,7 +251,7 @@ def statistics_first(
 
 
 def _statistics_first(entry: str, stats: Callable[..., Any], fun: Callable[..., Any],
-                      options: dict[str, Any]) -> tuple[_arguments.Accumulation,
+                      options: OptionsDict) -> tuple[_arguments.Accumulation,
                                                         Callable[..., Result]]:
     """The accumulation of ``fun`` with the totals as argument 2 (options parsed once), and
     its ``(params, batch, *rest) -> Result``: a forward pass summing ``stats``, then the
@@ -276,7 +277,7 @@ def coupled_train_step(
     optimizer: optax.GradientTransformation,
     *,
     donate: bool = True,
-    **options: Any,
+    **options: Unpack[OptionsDict],
 ) -> _train_step.TrainStep:
     """:func:`jaxaccum.train_step` for a batch-coupled loss: one jitted, donating step
     ``(params, opt_state, batch, *rest) -> (params, opt_state, loss, info)`` whose gradient is
@@ -316,7 +317,7 @@ def statistics_first_train_step(
     optimizer: optax.GradientTransformation,
     *,
     donate: bool = True,
-    **options: Any,
+    **options: Unpack[OptionsDict],
 ) -> _train_step.TrainStep:
     """:func:`jaxaccum.train_step` for a loss that needs the whole batch's statistics: one
     jitted, donating step whose gradient is :func:`statistics_first`'s (the aux, if any, in

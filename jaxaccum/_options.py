@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal, TypedDict, get_args
 
 import jax
 import jax.numpy as jnp
@@ -19,8 +20,12 @@ import numpy as np
 from jax.typing import DTypeLike
 
 from jaxaccum import _reductions, _validation
+from jaxaccum._reductions import AuxReductionName
 
-FSDP_MODES = ("step", "microbatch")
+FsdpMode = Literal["step", "microbatch"]
+FSDP_MODES: tuple[FsdpMode, ...] = get_args(FsdpMode)
+# has_aux: a bool, a reduction's name, or a pytree prefix of the aux whose leaves are names
+HasAux = bool | AuxReductionName | Mapping[Any, Any] | Sequence[Any]
 
 # Options that existed once: what to write instead.
 RENAMED = {
@@ -72,7 +77,7 @@ class DataParallel:
 
     mesh: jax.sharding.Mesh
     data_axis: str | tuple[str, ...] | None = None
-    fsdp: str = "step"
+    fsdp: FsdpMode = "step"
     param_shardings: Any = None
 
     def __post_init__(self) -> None:
@@ -178,18 +183,59 @@ class Options:
     already bounds the activations); ``aux_reduce`` (merged into ``has_aux``); ``data_axis``,
     ``fsdp``, ``param_shardings`` (merged into ``mesh=DataParallel(...)``). Passing one raises
     a ``TypeError`` that says what to write instead.
+
+    Raises:
+      TypeError: an option of the wrong type (a bool option given another value, ``unroll``
+        not an int >= 1, ``accumulator_dtype`` not a dtype, ``mesh`` neither a mesh nor a
+        :class:`DataParallel`).
+      ValueError: not exactly one of the three counts, a ``has_aux`` name that is no
+        reduction, a plain mesh of several axes (name the data axes with
+        :class:`DataParallel`). Each error names the entry point the options were given to.
     """
 
     num_microbatches: int | None = None
     microbatch_size: int | None = None
     max_microbatches: int | None = None
-    has_aux: Any = False
+    has_aux: HasAux = False
     weighted: bool = False
     skip_nonfinite: bool = False
     accumulator_dtype: DTypeLike | None = jnp.float32
-    mesh: Any = None
+    mesh: jax.sharding.Mesh | DataParallel | None = None
     noise_scale: bool = False
     unroll: int | bool = 1
+    # the entry point the options were given to, named in every error (not an option)
+    entry: dataclasses.InitVar[str] = "jaxaccum.Options"
+
+    def __post_init__(self, entry: str) -> None:
+        """Every option's type and value, checked once; errors name ``entry``."""
+        _validation.exactly_one_count(self.num_microbatches, self.microbatch_size, entry,
+                                      self.max_microbatches)
+        check_bool(entry, "weighted", self.weighted)
+        check_bool(entry, "skip_nonfinite", self.skip_nonfinite)
+        check_bool(entry, "noise_scale", self.noise_scale)
+        if not (isinstance(self.unroll, (bool, np.bool_))
+                or isinstance(self.unroll, (int, np.integer)) and self.unroll >= 1):
+            raise TypeError(f"{entry}: unroll must be an int >= 1 or a bool; got {self.unroll!r}")
+        if self.accumulator_dtype is not None:
+            try:
+                jnp.dtype(self.accumulator_dtype)
+            except TypeError:
+                raise TypeError(
+                    f"{entry}: accumulator_dtype must be a dtype or None; got "
+                    f"{self.accumulator_dtype!r}"
+                ) from None
+        if self.aux_spec is not None and not isinstance(self.has_aux, (bool, np.bool_)):
+            _reductions.check_aux_spec(entry, self.aux_spec)
+        if self.mesh is not None and not isinstance(self.mesh, (DataParallel, jax.sharding.Mesh)):
+            raise TypeError(
+                f"{entry}: mesh must be a jax.sharding.Mesh or a jaxaccum.DataParallel; got "
+                f"{type(self.mesh).__name__}"
+            )
+        if isinstance(self.mesh, jax.sharding.Mesh) and len(self.mesh.axis_names) != 1:
+            raise ValueError(
+                f"{entry}: mesh has the axes {self.mesh.axis_names}; name the data axes with "
+                f"mesh=jaxaccum.DataParallel(mesh, data_axis={self.mesh.axis_names[0]!r})"
+            )
 
     @property
     def aux_spec(self) -> Any:
@@ -212,12 +258,35 @@ class Options:
         return self.weighted or self.skip_nonfinite or self.max_microbatches is not None
 
 
+class OptionsDict(TypedDict, total=False):
+    """The accumulation options as keywords: what every entry point's ``**options`` takes
+    (each documented once in :class:`Options`), for type checkers and editors.
+
+    Examples:
+      >>> import jaxaccum
+      >>> options: jaxaccum.OptionsDict = {"num_microbatches": 4, "has_aux": "concat"}
+      >>> jaxaccum.Options(**options).has_aux
+      'concat'
+    """
+
+    num_microbatches: int | None
+    microbatch_size: int | None
+    max_microbatches: int | None
+    has_aux: HasAux
+    weighted: bool
+    skip_nonfinite: bool
+    accumulator_dtype: DTypeLike | None
+    mesh: jax.sharding.Mesh | DataParallel | None
+    noise_scale: bool
+    unroll: int | bool
+
+
 def check_bool(entry: str, name: str, value: Any) -> None:
     if not isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{entry}: {name} must be a bool; got {value!r}")
 
 
-def parse(entry: str, options: dict[str, Any]) -> Options:
+def parse(entry: str, options: Mapping[str, Any]) -> Options:
     """Builds the :class:`Options` for a call of ``entry`` (e.g. ``"jaxaccum.train_step"``).
 
     Every error names ``entry``, the option, what was expected and received, and the fix.
@@ -234,33 +303,4 @@ def parse(entry: str, options: dict[str, Any]) -> Options:
             f"{entry}: unknown option {name}=; {hint}check the name against the options "
             f"{sorted(fields)} (see jaxaccum.Options)"
         )
-    out = Options(**options)
-    _validation.exactly_one_count(out.num_microbatches, out.microbatch_size, entry,
-                                  out.max_microbatches)
-    check_bool(entry, "weighted", out.weighted)
-    check_bool(entry, "skip_nonfinite", out.skip_nonfinite)
-    check_bool(entry, "noise_scale", out.noise_scale)
-    if not (isinstance(out.unroll, (bool, np.bool_))
-            or isinstance(out.unroll, (int, np.integer)) and out.unroll >= 1):
-        raise TypeError(f"{entry}: unroll must be an int >= 1 or a bool; got {out.unroll!r}")
-    if out.accumulator_dtype is not None:
-        try:
-            jnp.dtype(out.accumulator_dtype)
-        except TypeError:
-            raise TypeError(
-                f"{entry}: accumulator_dtype must be a dtype or None; got "
-                f"{out.accumulator_dtype!r}"
-            ) from None
-    if out.aux_spec is not None and not isinstance(out.has_aux, (bool, np.bool_)):
-        _reductions.check_aux_spec(entry, out.aux_spec)
-    if out.mesh is not None and not isinstance(out.mesh, (DataParallel, jax.sharding.Mesh)):
-        raise TypeError(
-            f"{entry}: mesh must be a jax.sharding.Mesh or a jaxaccum.DataParallel; got "
-            f"{type(out.mesh).__name__}"
-        )
-    if isinstance(out.mesh, jax.sharding.Mesh) and len(out.mesh.axis_names) != 1:
-        raise ValueError(
-            f"{entry}: mesh has the axes {out.mesh.axis_names}; name the data axes with "
-            f"mesh=jaxaccum.DataParallel(mesh, data_axis={out.mesh.axis_names[0]!r})"
-        )
-    return out
+    return Options(**options, entry=entry)

@@ -4,8 +4,8 @@ finalize.
 Each stage is a module-level function; :func:`run` chains them. What differs between one
 device, Auto meshes and Explicit meshes (where parameters enter the loop, how the micro-step
 function is wrapped, where accumulators live, how the sums are reduced over the data axes) is
-a :class:`jaxaccum._placement.Placement`'s few hooks; what differs between front ends is only
-what they add around :func:`run`.
+a placement (:mod:`jaxaccum._placement`): it wraps :func:`per_device` and hands it the per-leaf
+operations; what differs between front ends is only what they add around :func:`run`.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from jaxaccum import _conv_layout, _microbatches, _noise, _reductions, _validation
 from jaxaccum._arguments import Accumulation
-from jaxaccum._hooks import Placement
+from jaxaccum._placement.base import LeafOps, Placement
 from jaxaccum._records import Result, Shapes, Sums
 
 # --- split --------------------------------------------------------------------------------------
@@ -77,9 +77,7 @@ def shapes(acc: Accumulation, args: tuple[Any, ...], views: tuple[Any, ...]) -> 
 # --- micro-step ---------------------------------------------------------------------------------
 
 
-def init_sums(
-    acc: Accumulation, args: tuple[Any, ...], out: Shapes, placement: Placement
-) -> Sums:
+def init_sums(acc: Accumulation, args: tuple[Any, ...], out: Shapes, ops: LeafOps) -> Sums:
     """The accumulators before the first micro-batch."""
     aux = None
     if acc.options.aux_spec is not None:
@@ -88,7 +86,7 @@ def init_sums(
     dtype = acc.options.accumulator_dtype
     return Sums(
         loss=jnp.zeros((), _reductions.accumulator_dtype_for(out.loss.dtype, dtype)),
-        grads=placement.zeros(acc.differentiated(args), dtype),
+        grads=ops.zeros(acc.differentiated(args), dtype),
         weight=jnp.zeros((), jnp.float32),
         skipped=jnp.zeros((), jnp.int32),
         carry=tuple(jax.tree.map(jnp.asarray, c) for c in acc.carried(args)),
@@ -98,8 +96,7 @@ def init_sums(
 
 
 def micro_step(
-    acc: Accumulation, args: tuple[Any, ...], sums: Sums, placement: Placement,
-    out: Shapes,
+    acc: Accumulation, args: tuple[Any, ...], sums: Sums, ops: LeafOps, out: Shapes,
 ) -> tuple[Sums, Any]:
     """``fun`` and its gradient on one micro-batch (``args`` holds it), added into ``sums``.
 
@@ -127,14 +124,14 @@ def micro_step(
     w = jnp.asarray(w).astype(jnp.float32)
     skipped, bad = sums.skipped, None
     if opts.skip_nonfinite:
-        finite, grads = placement.finite(loss, grads)
+        finite, grads = ops.finite(loss, grads)
         w, bad = _reductions.skip_if_nonfinite(w, finite)
         skipped = skipped + bad.astype(jnp.int32)
         new_carry = jax.tree.map(lambda old, new: jnp.where(bad, old, new), sums.carry, new_carry)
     plain = weight is None and not opts.skip_nonfinite  # every weight 1: no NaN to mask
     new = Sums(
         loss=sums.loss + loss if plain else _reductions.weighted_add(sums.loss, loss, w),
-        grads=jax.tree.map(lambda a, g: placement.add(a, g, None if plain else w), sums.grads,
+        grads=jax.tree.map(lambda a, g: ops.add(a, g, None if plain else w), sums.grads,
                            grads),
         weight=sums.weight + 1 if plain else _reductions.add_weight(sums.weight, w),
         skipped=skipped,
@@ -167,7 +164,7 @@ def _microbatch_size(acc: Accumulation, args: tuple[Any, ...]) -> jax.Array:
 
 def accumulate(
     acc: Accumulation, args: tuple[Any, ...], views: tuple[Any, ...], start: Sums, k: int,
-    placement: Placement, out: Shapes, count: jax.Array | None = None,
+    ops: LeafOps, out: Shapes, count: jax.Array | None = None,
 ) -> tuple[Sums, Any]:
     """Runs :func:`micro_step` over the ``k`` micro-batches in one ``lax.scan`` (rolled unless
     the ``unroll`` option says otherwise; each micro-batch gathered from the views inside the
@@ -176,7 +173,7 @@ def accumulate(
     stack go into buffers of length ``k`` (zeros past ``count``)."""
 
     def body(sums: Sums, i: Any) -> tuple[Sums, Any]:
-        return micro_step(acc, acc.with_batch(args, take(acc, views, i)), sums, placement, out)
+        return micro_step(acc, acc.with_batch(args, take(acc, views, i)), sums, ops, out)
 
     if count is not None:
         def step(i: Any, state: tuple[Sums, Any]) -> tuple[Sums, Any]:
@@ -270,23 +267,22 @@ def finalize(
 
 
 def per_device(
-    acc: Accumulation, args: tuple[Any, ...], k: int, placement: Placement,
-    count: jax.Array | None = None,
+    acc: Accumulation, args: tuple[Any, ...], k: int, count: jax.Array | None, ops: LeafOps
 ) -> Result:
     """The pipeline on the arguments one placement sees: split -> micro-steps -> accumulate ->
     reduce -> finalize. On an Auto mesh this runs inside the placement's ``shard_map``.
-    ``count``: the traced number of real micro-batches (``max_microbatches``), else all ``k``."""
-    acc, args, placement = placement.enter(acc, args)
+    ``count``: the traced number of real micro-batches (``max_microbatches``), else all ``k``;
+    ``ops``: the placement's per-leaf operations."""
     with jax.named_scope("jaxaccum.split"):
         views = split(acc, args, k)
         out = shapes(acc, args, views)
-    start = init_sums(acc, args, out, placement)
+    start = init_sums(acc, args, out, ops)
     with jax.named_scope("jaxaccum.accumulate"):
-        sums, ys = accumulate(acc, args, views, start, k, placement, out, count)
+        sums, ys = accumulate(acc, args, views, start, k, ops, out, count)
     with jax.named_scope("jaxaccum.reduce"):
-        sums = placement.reduce(acc, sums, out)
+        sums = ops.reduce(sums, out)
     with jax.named_scope("jaxaccum.finalize"):
-        total = placement.count(k) if count is None else placement.count(1) * count
+        total = ops.loops * (k if count is None else count)
         loss, grads, aux = finalize(acc, sums, ys, args, out, total, count is None and k > 1)
     return Result(loss, grads, aux, sums.weight, sums.skipped, total, sums.carry, sums.sq_norms,
                   out.aux_plan)
@@ -306,7 +302,7 @@ def run(acc: Accumulation, args: tuple[Any, ...], placement: Placement) -> Resul
         acc = dataclasses.replace(acc, stacked=True)
         size = jax.tree.leaves(acc.batch(args))[0].shape[1]
         placement.local_batch_size(acc, size)  # m splits over the data-parallel devices
-        res = placement.run(acc, args, k, count)
+        res = placement.wrap(per_device)(acc, args, k, count)
     else:
         batch_size = _validation.leading_batch_size(args, acc.split, acc.entry)
         local = placement.local_batch_size(acc, batch_size)
@@ -319,7 +315,7 @@ def run(acc: Accumulation, args: tuple[Any, ...], placement: Placement) -> Resul
                 f"it needs at least 2 micro-batches (over all devices); got k={k} on "
                 f"{placement.devices} device(s)"
             )
-        res = placement.run(acc, args, k)
+        res = placement.wrap(per_device)(acc, args, k, None)
     if opts.noise_scale:
         grads = res.grads
         if acc.divide_later:

@@ -45,7 +45,7 @@ class MicrobatchPlan(NamedTuple):
 
     num_microbatches: int
     estimates: dict[Any, MemoryEstimate]
-    fsdp: str | None = None
+    fsdp: _options.FsdpMode | None = None
 
 
 def memory_estimate(compiled: Any, num_microbatches: int) -> MemoryEstimate:
@@ -88,7 +88,7 @@ def plan_microbatches(
     memory_budget: int,
     optimizer: optax.GradientTransformation | None = None,
     candidates: Sequence[int] | None = None,
-    fsdp: str | Sequence[str] | None = None,
+    fsdp: _options.FsdpMode | Sequence[_options.FsdpMode] | None = None,
     **kwargs: Any,
 ) -> MicrobatchPlan:
     """Chooses the smallest number of micro-batches whose compiled step fits ``memory_budget``.
@@ -148,7 +148,7 @@ def plan_microbatches(
         )
     opt_state = None if optimizer is None else jax.eval_shape(optimizer.init, params)
     several = fsdp is not None and not isinstance(fsdp, str)
-    options: list[str | None] = (
+    options: list[_options.FsdpMode | None] = (
         list(fsdp) if fsdp is not None and not isinstance(fsdp, str) else [fsdp]
     )
     dp = _options.parse("jaxaccum.plan_microbatches", {"num_microbatches": 1, **kwargs}

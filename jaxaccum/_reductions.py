@@ -14,7 +14,7 @@ invalid weight the same way:
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -220,7 +220,10 @@ def _same(acc: Any, *_: Any) -> Any:
     return acc
 
 
-AUX_REDUCTIONS: dict[str, AuxReduction] = {
+# The names ``has_aux`` takes, each implemented once below (tests check the two agree).
+AuxReductionName = Literal["stack", "concat", "sum", "mean", "weighted_mean", "max", "min",
+                           "last"]
+AUX_REDUCTIONS: dict[AuxReductionName, AuxReduction] = {
     "stack": AuxReduction(True, _none, _none, _same, _same),
     "concat": AuxReduction(True, _none, _none, _same, _concat),
     "sum": AuxReduction(

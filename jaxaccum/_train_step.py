@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Unpack
 
 import jax
 import optax
@@ -20,6 +20,7 @@ from jaxaccum import (
     _reductions,
     _value_and_grad,
 )
+from jaxaccum._options import OptionsDict
 from jaxaccum._records import Result, StepInfo, step_info
 
 ENTRY = "jaxaccum.train_step"
@@ -206,7 +207,7 @@ def train_step(
     *,
     carry_argnums: int | tuple[int, ...] = (),
     donate: bool = True,
-    **options: Any,
+    **options: Unpack[OptionsDict],
 ) -> TrainStep:
     """Builds one jitted optimizer step over a batch split into micro-batches.
 

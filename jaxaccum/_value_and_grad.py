@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Unpack
 
 from jaxaccum import _arguments, _options, _pipeline, _placement, _pytrees
 from jaxaccum._arguments import Accumulation
+from jaxaccum._options import OptionsDict
 from jaxaccum._records import Result, step_info
 
 ENTRY = "jaxaccum.value_and_grad"
@@ -81,7 +82,7 @@ def call(acc: Accumulation, args: tuple[Any, ...], hints: Any = None) -> Result:
     dp = acc.options.data_parallel
     if hints is None and dp is not None and not dp.explicit:
         hints = _placement.param_hints(acc.entry, dp, args, acc.argnums)
-    return _pipeline.run(acc, args, _placement.placement_for(acc.options, hints))
+    return _pipeline.run(acc, args, _placement.for_call(acc.options, hints))
 
 
 def value_and_grad(
@@ -91,7 +92,7 @@ def value_and_grad(
     batch_argnums: int | tuple[int, ...] = 1,
     carry_argnums: int | tuple[int, ...] = (),
     return_info: bool = False,
-    **options: Any,
+    **options: Unpack[OptionsDict],
 ) -> Callable[..., tuple[Any, ...]]:
     """Like ``jax.value_and_grad``, but the batch is processed as k micro-batches in one scan.
 

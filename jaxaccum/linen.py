@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Unpack
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +32,7 @@ from jaxaccum import (
     _value_and_grad,
 )
 from jaxaccum._multi_steps import MultiStepsState
+from jaxaccum._options import OptionsDict
 from jaxaccum._records import StepInfo, step_info
 
 __all__ = ["apply_gradients", "train_step"]
@@ -137,7 +138,7 @@ def train_step(
     loss_fn: Callable[..., Any],
     *,
     donate: bool = True,
-    **options: Any,
+    **options: Unpack[OptionsDict],
 ) -> Callable[..., tuple[Any, Any, StepInfo]]:
     """One jitted ``TrainState`` step over a batch split into k micro-batches.
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Unpack
 
 import jax
 from flax import nnx
@@ -33,6 +33,7 @@ from jaxaccum import (
     _train_step,
     _value_and_grad,
 )
+from jaxaccum._options import OptionsDict
 from jaxaccum._records import Result, StepInfo, step_info
 
 __all__ = ["value_and_grad", "train_step", "coupled_value_and_grad", "statistics_first"]
@@ -60,7 +61,7 @@ def _pure(model: nnx.Module, wrt: Any) -> tuple[nnx.State, Callable[[Any], Any]]
     return params, merged
 
 
-def _check_options(entry: str, batch_argnums: Any, options: dict[str, Any]) -> tuple[
+def _check_options(entry: str, batch_argnums: Any, options: OptionsDict) -> tuple[
         _options.Options, tuple[int, ...]]:
     opts = _options.parse(entry, options)
     split = _arguments.make(entry, lambda *a: None, opts, batch_argnums=batch_argnums).split
@@ -72,7 +73,7 @@ def _check_options(entry: str, batch_argnums: Any, options: dict[str, Any]) -> t
     return opts, split
 
 
-def accumulate(
+def _accumulate(
     entry: str,
     loss_fn: Callable[..., Any],
     opts: _options.Options,
@@ -146,7 +147,7 @@ def value_and_grad(
     wrt: Any = nnx.Param,
     batch_argnums: int | tuple[int, ...] = 1,
     return_info: bool = False,
-    **options: Any,
+    **options: Unpack[OptionsDict],
 ) -> Callable[..., tuple[Any, ...]]:
     """``nnx.value_and_grad`` over a batch split into k micro-batches (one ``lax.scan``).
 
@@ -218,7 +219,7 @@ def value_and_grad(
 
     @functools.wraps(loss_fn)
     def accumulated(model: nnx.Module, *args: Any, **kwargs: Any) -> tuple[Any, ...]:
-        acc, res, write_back = accumulate(entry, loss_fn, opts, split, wrt, model, args, kwargs)
+        acc, res, write_back = _accumulate(entry, loss_fn, opts, split, wrt, model, args, kwargs)
         write_back()
         return _value_and_grad.shape_result(acc, res, return_info, with_carry=False)
 
@@ -231,7 +232,7 @@ def train_step(
     wrt: Any = None,
     batch_argnums: int | tuple[int, ...] = 1,
     donate: bool = False,
-    **options: Any,
+    **options: Unpack[OptionsDict],
 ) -> Callable[..., Any]:
     """One ``nnx.jit`` optimizer step over a batch split into micro-batches.
 
@@ -288,7 +289,7 @@ def train_step(
         graphdef, before = nnx.split(both)
         before = jax.tree.map(lambda x: x, before)  # a snapshot: new Variables, same arrays
         # the division by the total weight is left to the update, where it fuses into it
-        acc, res, write_back = accumulate(entry, loss_fn, opts, split, optimizer.wrt if wrt is
+        acc, res, write_back = _accumulate(entry, loss_fn, opts, split, optimizer.wrt if wrt is
                                           None else wrt, model, args, kwargs, divide_later=True)
         write_back()
         carried = nnx.state(both)
@@ -325,7 +326,7 @@ def coupled_value_and_grad(
     loss: Callable[..., Any],
     *,
     wrt: Any = nnx.Param,
-    **options: Any,
+    **options: Unpack[OptionsDict],
 ) -> Callable[..., tuple[Any, nnx.State]]:
     """:func:`jaxaccum.coupled_value_and_grad` for an NNX module: a loss that couples the batch.
 
@@ -372,7 +373,7 @@ def statistics_first(
     fun: Callable[..., Any],
     *,
     wrt: Any = nnx.Param,
-    **options: Any,
+    **options: Unpack[OptionsDict],
 ) -> Callable[..., tuple[Any, nnx.State]]:
     """:func:`jaxaccum.statistics_first` for an NNX module: a loss that needs statistics of
     the whole batch (global MoE load balancing, group-normalised advantages).

@@ -30,6 +30,9 @@ import numpy as np
 
 from jaxaccum import _microbatches, _validation
 
+__all__ = ["PackStream", "Packed", "attention_mask", "next_token_segments", "pack", "pack_epoch",
+           "pack_stream", "sequence_mean", "token_mean"]
+
 PACK = "jaxaccum.packing.pack"
 PACK_STREAM = "jaxaccum.packing.pack_stream"
 PACK_EPOCH = "jaxaccum.packing.pack_epoch"

@@ -10,6 +10,8 @@ out-of-range counts refused. The numbers themselves are the reference model's bu
 
 from __future__ import annotations
 
+import dataclasses
+import typing
 import warnings
 
 import equinox as eqx
@@ -449,6 +451,32 @@ def test_options_are_keyword_only_in_every_entry_point(name):
     """An option passed by position is Python's TypeError, never taken as another option."""
     with refuses(TypeError, match="positional argument"):
         POSITIONAL[name]()
+
+
+TYPED = [jaxaccum.value_and_grad, jaxaccum.train_step, jaxaccum.coupled_value_and_grad,
+         jaxaccum.coupled_train_step, jaxaccum.statistics_first,
+         jaxaccum.statistics_first_train_step, jaxaccum.check, jaxaccum.nnx.value_and_grad,
+         jaxaccum.nnx.train_step, jaxaccum.nnx.coupled_value_and_grad,
+         jaxaccum.nnx.statistics_first, jaxaccum.linen.train_step]
+
+
+@pytest.mark.parametrize("fn", TYPED, ids=lambda f: f"{f.__module__}.{f.__name__}")
+def test_every_entry_point_types_its_options(fn):
+    """``**options`` is ``Unpack[OptionsDict]`` everywhere: type checkers and editors see
+    the options' names and types, and the TypedDict holds exactly the options."""
+    hints = typing.get_type_hints(fn, include_extras=True)
+    assert hints["options"] == typing.Unpack[jaxaccum.OptionsDict]
+    assert set(typing.get_type_hints(jaxaccum.OptionsDict)) == {
+        f.name for f in dataclasses.fields(jaxaccum.Options)}
+
+
+def test_every_choice_is_a_literal_with_one_implementation_each():
+    """The names ``has_aux`` and ``fsdp`` take are ``Literal`` types, and each name the type
+    lists is implemented (and nothing else)."""
+    from jaxaccum import _options, _reductions
+
+    assert set(typing.get_args(_reductions.AuxReductionName)) == set(_reductions.AUX_REDUCTIONS)
+    assert typing.get_args(_options.FsdpMode) == _options.FSDP_MODES == ("step", "microbatch")
 
 
 @pytest.mark.parametrize("out", [lambda v, c: v, lambda v, c: (v,), lambda v, c: (v, c, c)])

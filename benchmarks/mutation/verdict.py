@@ -54,13 +54,14 @@ TESTS = {
         "test_packed_losses_take_exactly_one_shape_with_a_length_axis",
         "test_attention_mask_takes_exactly_ids_with_a_length_axis")),
         "tests/test_packing.py", "tests/test_grain.py"],
-    "jaxaccum/_placement.py": [*REFERENCE, *MESH, "tests/test_guards.py",
-                               "tests/test_pipeline_placement.py", "tests/test_data_parallel.py",
-                               "tests/test_variable_mesh.py", "tests/test_coupled_mesh.py",
-                               "tests/test_sharded.py::test_explicit_parameters_mixed_with_activations",
-                               "tests/test_noise_scale.py::"
-                               "test_noise_scale_refuses_explicit_axes_and_per_microbatch_fsdp",
-                               *MESH_PARITY],
+    # (a package: every module in it)
+    "jaxaccum/_placement/": [*REFERENCE, *MESH, "tests/test_guards.py",
+                            "tests/test_pipeline_placement.py", "tests/test_data_parallel.py",
+                            "tests/test_variable_mesh.py", "tests/test_coupled_mesh.py",
+                            "tests/test_sharded.py::test_explicit_parameters_mixed_with_activations",
+                            "tests/test_noise_scale.py::"
+                            "test_noise_scale_refuses_explicit_axes_and_per_microbatch_fsdp",
+                            *MESH_PARITY],
     # the reference model does not cover the pair losses, Grain or MultiSteps: their own tests
     "jaxaccum/contrastive.py": [*PAIR, *PRECISION],
     "jaxaccum/_tiles.py": [*PAIR, *PRECISION],
@@ -127,7 +128,8 @@ def main() -> int:
     if complaint:  # CI's type check rejects it: it never lands, so it is not run
         verdict, where, what = "stillborn", "mypy jaxaccum", complaint
     else:
-        tests = [*TESTS.get(name, REFERENCE), name]  # the module's own doctests too
+        # (a module of a package: the package's selection) and the module's own doctests too
+        tests = [*TESTS.get(name, TESTS.get(os.path.dirname(name) + "/", REFERENCE)), name]
         here = os.path.dirname(os.path.abspath(__file__))
         with tempfile.NamedTemporaryFile(suffix=".jsonl") as record:
             env = {**os.environ, **CACHE, "JAXACCUM_REFERENCE_EXAMPLES": "6",

@@ -5,12 +5,14 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal, cast
 
 import jax
 import numpy as np
 
 import jaxaccum
+
+FsdpMode = Literal["step", "microbatch"]
 
 # The launcher's contract with a program started as one of several processes.
 COORDINATOR = "JAXACCUM_TEST_COORDINATOR"
@@ -31,7 +33,7 @@ def accumulation_options(
         return {}
     axis = data_axis if data_axis is None or isinstance(data_axis, str) else tuple(data_axis)
     options: dict[str, Any] = {}
-    one = fsdp if isinstance(fsdp, str) else "step"
+    one = cast(FsdpMode, fsdp if isinstance(fsdp, str) else "step")  # (checked there)
     if fsdp is not None and not isinstance(fsdp, str):
         options["fsdp"] = tuple(fsdp)
     options["mesh"] = jaxaccum.DataParallel(mesh, data_axis=axis, fsdp=one,

@@ -38,7 +38,7 @@ import dataclasses
 import sys
 import time
 import traceback
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -154,7 +154,8 @@ class Case:
     counts: tuple[int, ...] = ()  # runtime counts (max_microbatches=K): the batch is a stack
     positions: bool = False  # argnums=(0, 2), batch_argnums=(1, 3)
     carry: bool = False
-    fsdp: str | None = None  # the kernel sharded over the data axis, with this mode
+    # the kernel sharded over the data axis, with this mode
+    fsdp: Literal["step", "microbatch"] | None = None
     param_shardings: bool = False
     bf16: bool = False
     return_info: bool = True
@@ -355,7 +356,7 @@ def call(case: Case, where: Where, data: dict[str, Any], opts: dict[str, Any],
         else:
             opt = optax.sgd(1.0, momentum=0.5)
             step = BUILT.setdefault(key, jaxaccum.train_step(
-                loss, opt, donate=False, **({"carry_argnums": 4} if case.carry else {}), **opts))
+                loss, opt, donate=False, carry_argnums=4 if case.carry else (), **opts))
             rest = (scale, table, carry) if case.carry else (scale, table)
             new, state, value, info = step(p, opt.init(p), batch, *rest)
             result = {"value": value, "params": new, "state": state, "info": info}

@@ -1,0 +1,189 @@
+"""Auto axes: the pipeline runs inside a ``jax.shard_map`` manual over the data axes only;
+each device scans its own share of the batch, and the sums are reduced once, after the scan
+(``psum``; ``psum_scatter`` for a parameter sharded over a data axis, FSDP)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxaccum import _reductions, _specs
+from jaxaccum._arguments import Accumulation
+from jaxaccum._placement import base
+from jaxaccum._placement._mesh import DataAxes, gather, gather_inside, is_spec
+from jaxaccum._records import Result, Shapes, Sums
+
+
+@dataclasses.dataclass(frozen=True)
+class AutoMesh(DataAxes):
+    """Auto axes: a ``shard_map`` manual over the data axes; one reduction after the scan.
+
+    Every collective over the data axes (the gather of an FSDP parameter, the reduction of
+    its gradient) runs in a nested ``shard_map`` manual over the leaf's other axes too: in a
+    region where those axes are Auto, XLA would replicate the operand over them (a tensor-
+    parallel kernel gathered whole on every device).
+
+    Attributes:
+      hints: the shardings of the positional arguments read before tracing (a tree per
+        argument, ``NamedSharding`` or None leaves), for tracers that carry none.
+    """
+
+    hints: Any = None
+
+    def wrap(self, per_device: base.PerDevice) -> base.Placed:
+        def placed(acc: Accumulation, args: tuple[Any, ...], k: int, count: Any) -> Result:
+            self.refuse(acc, args)
+            args = tuple(jax.tree.map(jnp.asarray, a) for a in args)
+            if self.dp.explicit:  # the coupled losses' forward pass: the batch where it splits
+                args = tuple(jax.tree.map(lambda x: self.reshard(
+                    x, _specs.leading(self.axes, x.ndim, acc.stacked)), a) if i in acc.split
+                    else a for i, a in enumerate(args))
+            specs = self.arg_specs(acc, args)
+            ops = self.leaf_ops(acc.differentiated(specs))
+            layout: dict[str, Any] = {}  # the aux's structure, read while tracing
+
+            def body(n: Any, *local: Any) -> tuple[Any, ...]:
+                local_acc, local_args = self.enter(acc, local, specs)
+                res = per_device(local_acc, local_args, k, n, ops)
+                return (res.loss, res.grads, self.aux_out(acc, res, layout), res.weight,
+                        res.skipped, res.noise)
+
+            in_specs = jax.tree.map(lambda x, s: _specs.only(s, jnp.ndim(x), self.axes), args,
+                                    specs)
+            loss, grads, aux, weight, skipped, noise = jax.shard_map(
+                body, mesh=self.dp.mesh, in_specs=(P(), *in_specs),
+                out_specs=(P(), acc.differentiated(in_specs), P(_specs.entry(self.axes)), P(),
+                           P(), P()),
+                axis_names=set(self.axes), check_vma=False,
+            )(count, *args)
+            return Result(loss, grads, self.aux_in(aux, layout), weight, skipped,
+                          self.devices * (k if count is None else count),
+                          carry=tuple(acc.carried(args)), noise=noise)  # (carried: empty)
+
+        return placed
+
+    def refuse(self, acc: Accumulation, args: tuple[Any, ...]) -> None:
+        """The options an Auto mesh cannot honour, refused before tracing."""
+        if any(jax.tree.leaves(args[i]) for i in acc.carry):  # (an empty state is no state)
+            what = ("the module's state other than the differentiated variables"
+                    if acc.entry.startswith("jaxaccum.nnx.") else f"carry_argnums={acc.carry}")
+            raise ValueError(
+                f"{acc.entry}: {what} with a mesh whose data axes "
+                f"{self.axes} are Auto: each device would see only its share of every "
+                "micro-batch, so carried state (BatchNorm statistics) would differ from the "
+                "single-device run; use a mesh with Explicit axes (jax.make_mesh's default)"
+            )
+        if acc.options.noise_scale and self.dp.fsdp == "microbatch":
+            raise ValueError(
+                f"{acc.entry}: noise_scale=True with fsdp='microbatch': each micro-batch's "
+                "gradient is reduce-scattered over the devices at once, so no device holds its "
+                "own micro-batch gradient to measure; use fsdp='step'"
+            )
+
+    def arg_specs(self, acc: Accumulation, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        """Every argument leaf's spec: the batch split over the data axes; every other leaf
+        as it is sharded (or as its hint says)."""
+        out = []
+        for i, a in enumerate(args):
+            if i in acc.split:
+                out.append(jax.tree.map(
+                    lambda x: _specs.leading(self.axes, jnp.ndim(x), acc.stacked), a))
+            elif self.hints is None or self.hints[i] is None:
+                out.append(jax.tree.map(lambda x: _specs.of(x, self.dp.mesh), a))
+            else:
+                out.append(jax.tree.map(
+                    lambda h, x: _specs.of(x, self.dp.mesh, h), self.hints[i], a,
+                    is_leaf=lambda h: h is None or isinstance(h, NamedSharding)))
+        return tuple(out)
+
+    def leaf_ops(self, specs: Any) -> base.LeafOps:
+        """Per-device accumulators as on one device; the reduction over the data axes
+        (``specs``: the differentiated arguments' specs)."""
+        return base.LeafOps(zeros=_reductions.zeros_accumulator, add=base.add,
+                            finite=base.finite,
+                            reduce=functools.partial(self.reduce, specs=specs),
+                            loops=self.devices)
+
+    def enter(self, acc: Accumulation, args: tuple[Any, ...], specs: tuple[Any, ...]) -> tuple[
+            Accumulation, tuple[Any, ...]]:
+        """Inside the ``shard_map``: what the loop needs gathered over the data axes."""
+        args = tuple(  # other arguments sharded over the data axes are gathered whole
+            a if i in acc.split or i in acc.diff
+            else jax.tree.map(self.gather, a, specs[i], is_leaf=is_spec)
+            for i, a in enumerate(args)
+        )
+        diff = acc.differentiated(specs)
+
+        def gather_diff(tree: Any) -> Any:
+            return jax.tree.map(self.gather, tree, diff, is_leaf=is_spec)
+
+        if self.dp.fsdp == "microbatch":  # autodiff reduce-scatters each micro-batch's gradient
+            return gather_inside(acc, gather_diff), args
+        return acc, acc.replace_differentiated(args, gather_diff(acc.differentiated(args)))
+
+    def manual_over_rest(self, f: Callable[[jax.Array], jax.Array], x: jax.Array,
+                         spec: P) -> jax.Array:
+        """``f(x)``, a collective over the data axes, seeing the device's block of the other
+        axes that shard ``x`` (a nested ``shard_map`` manual over them)."""
+        rest = self.without_data(spec, x.ndim)
+        axes = {n for e in rest for n in _specs.names(e)}
+        if not axes:
+            return f(x)
+        return jax.shard_map(f, in_specs=rest, out_specs=rest, axis_names=axes,  # type: ignore[no-any-return]
+                             check_vma=False)(x)
+
+    def gather(self, x: jax.Array, spec: P) -> jax.Array:
+        """``x`` all-gathered over the data axes that ``spec`` shards it over."""
+        data = _specs.only(spec, x.ndim, self.axes)
+        return self.manual_over_rest(functools.partial(gather, spec=data), x, spec)
+
+    def reduce(self, sums: Sums, out: Shapes, specs: Any) -> Sums:
+        """The per-device sums reduced over the data axes, once per step."""
+        # "microbatch": autodiff already reduce-scattered over the axes the leaf is split on
+        reduce = self.psum_rest if self.dp.fsdp == "microbatch" else self.reduce_local
+
+        def one(g: jax.Array, spec: P) -> jax.Array:
+            data = _specs.only(spec, g.ndim, self.axes)
+            return self.manual_over_rest(functools.partial(reduce, spec=data), g, spec)
+
+        grads = jax.tree.map(one, sums.grads, specs, is_leaf=is_spec)
+        loss, weight, skipped, sq_norms = jax.lax.psum(
+            (sums.loss, sums.weight, sums.skipped, sums.sq_norms), self.axes)
+        aux = [a if r.stacked else r.combine(a, self.axes)
+               for r, a in zip(out.aux_plan, sums.aux or [], strict=True)]
+        return Sums(loss, grads, weight, skipped, sums.carry, aux or sums.aux, sq_norms)
+
+    @staticmethod
+    def aux_out(acc: Accumulation, res: Result, layout: dict[str, Any]) -> list[jax.Array]:
+        """Inside the ``shard_map``: the aux leaves as the devices' shares to join on axis 0
+        (``layout`` records how, for :meth:`aux_in`)."""
+        layout["tree"] = jax.tree.structure(res.aux)
+        layout["stacked"] = [r.stacked for r in res.aux_plan]
+        # a stack's concat leaves are (K, m): the devices' shares join along m
+        layout["swap"] = [acc.stacked and r is _reductions.AUX_REDUCTIONS["concat"]
+                          for r in res.aux_plan]
+        return [jnp.swapaxes(x, 0, 1) if swap else x if stacked else jnp.expand_dims(x, 0)
+                for stacked, swap, x in zip(layout["stacked"], layout["swap"],
+                                            jax.tree.leaves(res.aux), strict=True)]
+
+    def aux_in(self, aux: list[jax.Array], layout: dict[str, Any]) -> Any:
+        """Outside the ``shard_map``: the aux as one device would have it (a reduced leaf is
+        the same on every device: the first device's copy)."""
+        leaves = [jnp.swapaxes(x, 0, 1) if swap else x if stacked else self.first(x)
+                  for stacked, swap, x in zip(layout["stacked"], layout["swap"], aux,
+                                              strict=True)]
+        return jax.tree.unflatten(layout["tree"], leaves)
+
+    def first(self, x: jax.Array) -> jax.Array:
+        """The first device's copy of a value every device holds (one per device on axis 0);
+        on Explicit axes (a forward pass of the coupled losses) replicated first."""
+        if self.dp.explicit:
+            x = self.reshard(x, P())
+        return x[0]
