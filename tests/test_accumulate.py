@@ -564,3 +564,36 @@ def test_a_pair_returned_without_has_aux_names_the_option():
     fn = jaxaccum.value_and_grad(with_aux, num_microbatches=2)
     with refuses(TypeError, match="a pair means .* pass has_aux=True .* weighted=True"):
         fn(PARAMS, BATCH)
+
+
+def test_outer_gradient_of_the_loss_treats_weights_as_constants():
+    """The returned value and gradient agree: differentiating the accumulated loss (as a
+    hypergradient or a check would) gives the returned gradient, weights held constant, even
+    when the weight depends on the parameters (a soft count)."""
+
+    def soft(params, batch):
+        x, y = batch
+        w = jnp.sum(jax.nn.sigmoid(x @ params["layer0"]["w"][:, 0]))
+        return jnp.mean((mlp_apply(params, x) - y) ** 2), w
+
+    fn = jaxaccum.value_and_grad(soft, num_microbatches=4, weighted=True)
+    _, grads = jax.jit(fn)(PARAMS, BATCH)
+    outer = jax.jit(jax.grad(lambda p: fn(p, BATCH)[0]))(PARAMS)
+    for a, b in zip(jax.tree.leaves(outer), jax.tree.leaves(grads), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_keyword_arguments_with_defaults_reach_every_microbatch():
+    """A keyword with a default (a loss scale) is passed to every micro-batch, not dropped
+    (which would silently use the default)."""
+
+    def loss(params, batch, scale=1.0):
+        x, y = batch
+        return scale * jnp.mean((mlp_apply(params, x) - y) ** 2)
+
+    expected = jax.value_and_grad(loss)(PARAMS, BATCH, scale=3.0)
+    value, grads = jax.jit(jaxaccum.value_and_grad(loss, num_microbatches=4))(
+        PARAMS, BATCH, scale=3.0)
+    assert float(value) == pytest.approx(float(expected[0]), rel=1e-6)
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(expected[1]), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)

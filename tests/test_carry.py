@@ -188,3 +188,23 @@ def test_aux_weighted_mean_leaves_out_a_skipped_microbatch_and_max_min_start_at_
     assert float(clean["max"]) == pytest.approx(float(max(-1.0 - abs(m) for m in every)))
     assert float(clean["min"]) == pytest.approx(float(min(1.0 + abs(m) for m in every)))
     assert float(clean["max"]) < -1.0 and float(clean["min"]) > 1.0
+
+
+def test_two_carried_scalars_in_reversed_order_are_not_swapped():
+    """carry_argnums=(3, 2) with two carried values of the same structure: a swap would not
+    fail loudly (as it does with different structures), it would compute with the wrong one."""
+
+    def loss(params, batch, scale, shift):
+        x, y = batch
+        value = jnp.mean((mlp_apply(params, x) - y) ** 2) * scale + shift
+        return value, (shift + 1.0, scale * 2.0)  # new values for 3 (shift), then 2 (scale)
+
+    fn = jaxaccum.value_and_grad(loss, num_microbatches=4, carry_argnums=(3, 2))
+    (value, (shift, scale)), _ = jax.jit(fn)(PARAMS, BATCH, jnp.asarray(3.0), jnp.asarray(0.5))
+    assert float(scale) == 48.0 and float(shift) == 4.5
+    micro = [jax.tree.map(lambda a, i=i: a[i::4], BATCH) for i in range(4)]
+    expected = sum(
+        jnp.mean((mlp_apply(PARAMS, m[0]) - m[1]) ** 2) * 3.0 * 2.0**i + 0.5 + i
+        for i, m in enumerate(micro)
+    ) / 4
+    assert float(value) == pytest.approx(float(expected), rel=1e-6)

@@ -220,3 +220,19 @@ def test_convolutions_under_lax_cond_are_rewritten():
         PARAMS, BATCH).compile().as_text()
     labels = [label for label, loop in _hlo.convolutions(hlo) if loop]
     assert labels and set(labels) == {CANONICAL[4]}, labels
+
+
+def test_conv_rewrite_puts_batch_and_features_back_when_they_have_one_size():
+    """NCHW output with as many examples as features (4 and 4): an output transposed back with
+    batch and feature axes swapped would have the right shape and the wrong values."""
+    k1, k2 = jax.random.split(jax.random.key(0))
+    x = jax.random.randint(k1, (4, 3, 6, 6), -3, 4).astype(jnp.float32)
+    w = jax.random.randint(k2, (4, 3, 3, 3), -3, 4).astype(jnp.float32)
+
+    def conv(x, w):
+        return jax.lax.conv_general_dilated(x, w, (1, 1), "VALID",
+                                            dimension_numbers=("NCHW", "OIHW", "NCHW"))
+
+    expected = jax.jit(conv)(x, w)
+    assert expected.shape == (4, 4, 4, 4)
+    np.testing.assert_array_equal(jax.jit(_conv_layout.canonical_convs(conv))(x, w), expected)

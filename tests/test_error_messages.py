@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import refuses
 
 import jaxaccum
 
@@ -130,3 +131,10 @@ def test_microbatches_and_weights_say_what_to_do():
     message = str(info.value)
     assert message.startswith("jaxaccum.multi_steps(...).update: weight"), message
     assert FIX.search(message.split(":", 1)[1]), message
+
+
+def test_weighted_and_skip_nonfinite_must_be_bools():
+    for name in ("weighted", "skip_nonfinite"):
+        with refuses(TypeError, match=f"jaxaccum.value_and_grad: {name} must be a bool"):
+            jaxaccum.value_and_grad(lambda w, x: jnp.mean(w * x), num_microbatches=2,
+                                    **{name: "no"})

@@ -9,7 +9,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import assert_trees_close, assert_within_rounding, max_rel_diff, refuses, to_float64
+from conftest import (
+    assert_trees_close,
+    assert_within_rounding,
+    max_rel_diff,
+    random_batch,
+    refuses,
+    to_float64,
+)
 from flax import linen as nn
 from flax import nnx
 from flax.training import train_state
@@ -468,3 +475,38 @@ def test_linen_multi_steps_state_step_counts_optimizer_steps(mnist):
         assert_trees_close(state.params, plain.params, 1e-6)
     with refuses(TypeError, match="weight"):  # TrainState cannot pass a weight to tx
         plain.apply_gradients(grads=grads, weight=4.0)
+
+
+class Adapted(nnx.Module):
+    """A frozen kernel and a low-rank adapter held in a Variable type of its own (LoRA-style):
+    an optimizer with ``wrt=Adapter`` trains only the adapter."""
+
+    def __init__(self):
+        self.kernel = nnx.Param(jnp.ones((8, 4)) / 8)
+        self.down = Adapter(jnp.ones((8, 2)) / 4)
+        self.up = Adapter(jnp.ones((2, 4)) / 2)
+
+    def __call__(self, x):
+        return x @ self.kernel + (x @ self.down) @ self.up
+
+
+class Adapter(nnx.Variable):
+    pass
+
+
+def test_nnx_step_trains_the_variables_the_optimizer_holds_even_if_not_params():
+    x, y = random_batch(jax.random.key(1), 16, sizes=(8, 4))
+
+    def loss_fn(model, batch):
+        x, y = batch
+        return jnp.mean((model(x) - y) ** 2)
+
+    model = Adapted()
+    optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=Adapter)
+    jaxaccum.nnx.train_step(loss_fn, num_microbatches=4)(model, optimizer, (x, y))
+    ref = Adapted()
+    grads = nnx.grad(loss_fn, argnums=nnx.DiffState(0, Adapter))(ref, (x, y))
+    np.testing.assert_array_equal(model.kernel[...], jnp.ones((8, 4)) / 8)  # frozen
+    np.testing.assert_allclose(model.down[...], ref.down[...] - 0.1 * grads["down"][...],
+                               rtol=1e-5)
+    np.testing.assert_allclose(model.up[...], ref.up[...] - 0.1 * grads["up"][...], rtol=1e-5)

@@ -379,3 +379,33 @@ def test_linen_apply_gradients_passes_the_weight_and_the_new_overwrite_value():
     np.testing.assert_allclose(state.params["params"], [-0.75, -1.0])
     np.testing.assert_array_equal(state.params["_overwrite_with_gradient"], [7.0, 8.0])
     assert int(state.step) == 1
+
+
+class Scaled(eqx.Module):
+    """An Equinox module with a plain float hyperparameter (a leaf, not an array)."""
+
+    weight: jax.Array
+    scale: float
+
+    def __call__(self, x):
+        return self.scale * jnp.tanh(x @ self.weight)
+
+
+def test_equinox_float_fields_are_not_differentiated():
+    """As ``eqx.filter_value_and_grad``: only inexact arrays get gradients; the float field's
+    gradient is None, so an update leaves it exactly as it was."""
+    model = Scaled(jax.random.normal(jax.random.key(0), (8, 4)) / 3, 2.0)
+    x, y = random_batch(jax.random.key(1), 16, sizes=(8, 4))
+
+    def loss(model, batch):
+        x, y = batch
+        return jnp.mean((model(x) - y) ** 2)
+
+    ref_loss, ref_grads = eqx.filter_value_and_grad(loss)(model, (x, y))
+    value, grads = eqx.filter_jit(jaxaccum.value_and_grad(loss, num_microbatches=4))(
+        model, (x, y))
+    assert float(value) == pytest.approx(float(ref_loss), rel=1e-6)
+    assert grads.scale is None and ref_grads.scale is None
+    np.testing.assert_allclose(grads.weight, ref_grads.weight, rtol=1e-5, atol=1e-7)
+    updated = eqx.apply_updates(model, jax.tree.map(lambda g: -0.1 * g, grads))
+    assert updated.scale == 2.0

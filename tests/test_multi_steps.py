@@ -1113,3 +1113,19 @@ def test_multi_steps_unknown_keyword_names_the_fix():
         jaxaccum.multi_steps(optax.sgd(1.0), every_k=2, weighted=True)
     with refuses(TypeError, match=r"unknown keyword argument colour='red'; multi_steps"):
         jaxaccum.multi_steps(optax.sgd(1.0), every_k=2, colour="red")
+
+
+def test_multi_steps_passes_optional_extra_args_to_the_inner_transform():
+    """An inner transform whose extra argument has a default (``scale=1.0``) gets the value
+    given on the emitting call, not its default."""
+
+    def update(updates, state, params=None, *, scale=1.0, **extra):
+        return jax.tree.map(lambda u: scale * u, updates), state
+
+    inner = optax.GradientTransformationExtraArgs(lambda params: optax.EmptyState(), update)
+    opt = jaxaccum.multi_steps(inner, 2)
+    state = opt.init(jnp.zeros(3))
+    g1, g2 = jnp.array([1.0, 2.0, 3.0]), jnp.array([3.0, 2.0, 1.0])
+    _, state = jax.jit(opt.update)(g1, state, jnp.zeros(3), scale=3.0)
+    out, state = jax.jit(opt.update)(g2, state, jnp.zeros(3), scale=3.0)
+    np.testing.assert_allclose(out, [6.0, 6.0, 6.0])  # 3 x the mean (2, 2, 2)

@@ -1,6 +1,9 @@
-"""The pipeline's placement hooks on 8 host devices (tests/multidevice/pipeline.py): the README's
-mesh example, per-example aux in batch order, skipped micro-batches and micro-batch counts on
-Auto meshes, ZeRO-3's gather pinned in the loop, skip_nonfinite on Explicit meshes."""
+"""The placements on 8 host devices. tests/multidevice/pipeline.py: the README's mesh example,
+per-example aux in batch order, skipped micro-batches and micro-batch counts on Auto meshes,
+ZeRO-3's gather pinned in the loop, skip_nonfinite on Explicit meshes. And
+tests/multidevice/mesh_promises.py: carried state refused on Auto axes, ZeRO-3's gather in the
+loop, the micro-batch count of a data x model mesh, an Explicit skip decided by one device's
+partial gradient, an Explicit FSDP reduce-scatter."""
 
 from __future__ import annotations
 
@@ -49,3 +52,46 @@ def test_zero3_gathers_inside_the_loop_and_holds_less(out, axes):
     assert r["grads_rel"] <= 1e-5  # the same sums in another order
     if axes == "explicit":  # the parameter reaches the loss gathered (not split), whatever fsdp is
         assert r["microbatch"]["loss_sees_w1"] == r["step"]["loss_sees_w1"] == ["(None, None)"]
+
+# --- promises of the placements on 8 host devices (tests/multidevice/mesh_promises.py) -------
+
+
+
+@pytest.fixture(scope="module")
+def mesh_results():
+    return run_program("mesh_promises", devices=8, timeout=900)
+
+
+def test_auto_mesh_refuses_carried_state(mesh_results):
+    error = mesh_results["auto_carry_error"]
+    assert error is not None and error.startswith("ValueError: jaxaccum.value_and_grad: "
+                                                  "carry_argnums=(2,)")
+    assert "use a mesh with Explicit axes" in error
+
+
+def test_zero3_gathers_every_microbatch_inside_the_loop(mesh_results):
+    r = mesh_results["zero3"]
+    assert r["microbatch"]["counts"]["all-gather in loops"] >= 2, r  # w and v, per micro-batch
+    assert r["step"]["counts"]["all-gather in loops"] == 0, r  # gathered once per step
+    assert r["microbatch"]["temp"] < r["step"]["temp"], r
+    assert r["microbatch"]["grads_rel"] <= 1e-5 and r["step"]["grads_rel"] <= 1e-5
+
+
+def test_reported_microbatches_count_only_the_data_axes(mesh_results):
+    r = mesh_results["data_model"]
+    assert r["num_microbatches"] == 2 * 4  # k per device x 4 data devices (model axis: 2)
+    assert r["grads_rel"] <= 1e-5
+
+
+def test_explicit_mesh_skips_a_microbatch_whose_gradient_alone_is_nonfinite(mesh_results):
+    """The loss is finite, one device's partial gradient is NaN: every device must agree to
+    skip (the flag is reduced over the devices), and only that micro-batch is left out."""
+    r = mesh_results["explicit_skip_gradient"]
+    assert r["skipped"] == 1 and r["weight"] == 1.0 and r["loss_finite"]
+    assert r["grads_rel"] <= 1e-5
+
+
+def test_explicit_fsdp_gradient_is_reduce_scattered(mesh_results):
+    r = mesh_results["explicit_fsdp"]
+    assert r["counts"]["reduce-scatter"] >= 2, r["counts"]  # w and v
+    assert r["grads_rel"] <= 1e-5

@@ -83,3 +83,23 @@ def test_candidates_are_tried_smallest_first_in_any_order_given():
                                       candidates=[8, 2, 4])
     assert plan.num_microbatches == 2
     assert list(plan.estimates) == [2]
+
+
+def test_plan_total_counts_donated_outputs_once():
+    """With an optimizer the step donates params and state: outputs that reuse their buffers
+    are counted once, so a budget of exactly that total fits."""
+
+    params = {"w1": jnp.zeros((64, 256)), "w2": jnp.zeros((256, 1))}
+    data = jax.ShapeDtypeStruct((512, 64), jnp.float32)
+
+    def loss(p, x):
+        return jnp.mean((jnp.tanh(x @ p["w1"]) @ p["w2"]) ** 2)
+
+    opt = optax.adam(1e-3)
+    e = jaxaccum.plan_microbatches(loss, params, data, memory_budget=2**40, candidates=[4],
+                                   optimizer=opt).estimates[4]
+    assert e.alias_bytes >= 3 * 4 * (64 * 256 + 256)  # params and both Adam moments
+    assert e.total_bytes == e.argument_bytes + e.output_bytes - e.alias_bytes + e.temp_bytes
+    plan = jaxaccum.plan_microbatches(loss, params, data, memory_budget=e.total_bytes,
+                                      candidates=[4], optimizer=opt)
+    assert plan.num_microbatches == 4

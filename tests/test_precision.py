@@ -656,3 +656,14 @@ def test_precision_page_matches_the_json():
                  "multi_steps", "jaxaccum.nnx.train_step", "jaxaccum.linen.train_step",
                  "jaxaccum.packing.token_mean", "jaxaccum.packing.sequence_mean"):
         assert name in functions, name
+
+
+def test_bfloat16_aux_sum_is_accumulated_in_float32():
+    """512 micro-batches each report 1.0 in bfloat16: a bfloat16 sum stalls at 256."""
+
+    def fn(w, x):
+        return jnp.mean(w * x), jnp.ones((), jnp.bfloat16)
+
+    (_, total), _ = jax.jit(jaxaccum.value_and_grad(fn, num_microbatches=512, has_aux="sum"))(
+        jnp.ones(()), jnp.ones(512))
+    assert float(total) == 512.0

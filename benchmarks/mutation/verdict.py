@@ -32,12 +32,13 @@ MESH_PARITY = [t for t in ["tests/test_mesh_parity.py"] if os.path.exists(t)]
 PAIR = ["tests/test_contrastive.py", "tests/test_ring.py", "tests/test_coupled.py",
         "tests/test_coupled_mesh.py"]
 TESTS = {
-    "jaxaccum/_reductions.py": [*REFERENCE, *MESH, "tests/test_guards.py", "tests/test_carry.py",
+    "jaxaccum/_reductions.py": [*REFERENCE, *MESH, "tests/test_error_messages.py",
+                                "tests/test_precision.py", "tests/test_carry.py",
                                 "tests/test_accumulate.py", "tests/test_frontends.py",
                                 "tests/test_multi_steps.py"],
     "jaxaccum/_noise.py": [*REFERENCE, *MESH, "tests/test_noise_scale.py"],
-    "jaxaccum/_microbatches.py": [*REFERENCE, *MESH, "tests/test_variable.py",
-                                  "tests/test_variable_mesh.py"],
+    "jaxaccum/_microbatches.py": [*REFERENCE, *MESH, "tests/test_runtime_count.py",
+                                  "tests/test_runtime_count_mesh.py"],
     "jaxaccum/_arguments.py": [*REFERENCE, "tests/test_carry.py", "tests/test_accumulate.py",
                                "tests/test_frontends.py", "tests/test_pipeline_placement.py"],
     "jaxaccum/_options.py": [*REFERENCE, *MESH, "tests/test_carry.py", "tests/test_accumulate.py",
@@ -55,9 +56,9 @@ TESTS = {
         "test_attention_mask_takes_exactly_ids_with_a_length_axis")),
         "tests/test_packing.py", "tests/test_grain.py"],
     # (a package: every module in it)
-    "jaxaccum/_placement/": [*REFERENCE, *MESH, "tests/test_guards.py",
-                            "tests/test_pipeline_placement.py", "tests/test_data_parallel.py",
-                            "tests/test_variable_mesh.py", "tests/test_coupled_mesh.py",
+    "jaxaccum/_placement/": [*REFERENCE, *MESH, "tests/test_pipeline_placement.py",
+                            "tests/test_data_parallel.py",
+                            "tests/test_runtime_count_mesh.py", "tests/test_coupled_mesh.py",
                             "tests/test_sharded.py::test_explicit_parameters_mixed_with_activations",
                             "tests/test_noise_scale.py::"
                             "test_noise_scale_refuses_explicit_axes_and_per_microbatch_fsdp",

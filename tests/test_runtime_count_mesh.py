@@ -1,4 +1,4 @@
-"""A traced number of micro-batches on 8 host devices (tests/multidevice/variable.py)."""
+"""A traced number of micro-batches on 8 host devices (tests/multidevice/runtime_count.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ EXACT = 1e-5
 
 @pytest.fixture(scope="module")
 def out():
-    return run_program("variable", devices=8, timeout=600)
+    return run_program("runtime_count", devices=8, timeout=600)
 
 
 @pytest.mark.parametrize("axes", ["auto", "explicit"])
