@@ -27,6 +27,12 @@ class Accumulation:
         inside ``fun`` (a per-micro-batch all-gather, ZeRO-3) is not hoisted out of the loop.
       stacked: the batch arguments are stacks ``(K, m, ...)`` of micro-batches
         (``max_microbatches``): micro-batch ``i`` is ``data[i]``, read where it lies.
+      state_name: how messages name the carried arguments, for a front end that carries
+        state of its own (NNX: ``"the module's state"``); None: by ``carry_argnums``.
+      takes_weights: the entry point takes ``weighted=True`` (the coupled losses do not),
+        so messages may suggest it.
+      state_rule: said before a carried value that came back with another structure, shape
+        or dtype (what the front end's loss function must do); None: nothing.
       divide_later: the result's ``grads`` are the reduced sums, not yet divided by the total
         weight: a train step divides them inside its update (:func:`jaxaccum._pipeline.divide`),
         where the division fuses into the optimizer even under the zero-weight rule's
@@ -42,6 +48,9 @@ class Accumulation:
     options: _options.Options
     pin_in_loop: bool = False
     stacked: bool = False
+    state_name: str | None = None
+    state_rule: str | None = None
+    takes_weights: bool = True
     divide_later: bool = False
 
     @property
@@ -75,6 +84,10 @@ class Accumulation:
     def with_batch(self, args: tuple[Any, ...], batch: tuple[Any, ...]) -> tuple[Any, ...]:
         """``args`` with the batch arguments replaced by ``batch`` (one micro-batch)."""
         return replace(args, self.split, batch)
+
+    def carried_name(self, i: int) -> str:
+        """How messages name carried argument ``i``."""
+        return self.state_name or f"carry_argnums: argument {i}"
 
     def with_fun(self, fun: Callable[..., Any], *, pin_in_loop: bool = False) -> Accumulation:
         """The same accumulation of another function (a placement's wrapper of ``fun``)."""
@@ -167,8 +180,12 @@ def make(
     argnums: int | tuple[int, ...] = 0,
     batch_argnums: int | tuple[int, ...] = 1,
     carry_argnums: int | tuple[int, ...] = (),
+    state_name: str | None = None,
+    state_rule: str | None = None,
+    takes_weights: bool = True,
 ) -> Accumulation:
-    """Checks the argument positions and fixes them, with ``fun`` and ``options``."""
+    """Checks the argument positions and fixes them, with ``fun`` and ``options`` (and how
+    messages name carried state: see :class:`Accumulation`)."""
     if not callable(fun):
         raise TypeError(f"{entry}: the loss function must be callable; got {type(fun).__name__}")
     diff = _validation.argnums_tuple(argnums, f"{entry}: argnums")
@@ -196,4 +213,7 @@ def make(
         split=split,
         carry=carry,
         options=options,
+        state_name=state_name,
+        state_rule=state_rule,
+        takes_weights=takes_weights,
     )

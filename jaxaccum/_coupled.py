@@ -39,7 +39,8 @@ from jaxaccum._options import OptionsDict
 from jaxaccum._records import Result, step_info
 
 
-def _forward(entry: str, fun: Callable[..., Any], opts: _options.Options, how: str) -> Any:
+def _forward(entry: str, fun: Callable[..., Any], opts: _options.Options, how: str,
+             takes_weights: bool = True) -> Any:
     """A pass of the pipeline that only evaluates ``fun`` and returns its output combined
     across micro-batches as ``how`` says: the differentiated argument is a scalar placeholder
     (the loss itself), so no parameter gradient is computed or accumulated.
@@ -54,7 +55,8 @@ def _forward(entry: str, fun: Callable[..., Any], opts: _options.Options, how: s
 
     opts = dataclasses.replace(opts, has_aux=how, weighted=False, skip_nonfinite=False,
                                noise_scale=False)
-    acc = _arguments.make(entry, placeholder_loss, opts, argnums=0, batch_argnums=2)
+    acc = _arguments.make(entry, placeholder_loss, opts, argnums=0, batch_argnums=2,
+                          takes_weights=takes_weights)
     dp = opts.data_parallel
 
     def forward(params: Any, batch: Any, *rest: Any) -> Any:
@@ -166,10 +168,10 @@ def _coupled(entry: str, encode: Callable[..., Any], loss: Callable[..., Any],
             f"{entry}: has_aux must be a bool (the loss's aux is computed once on the whole "
             f"batch and returned as it is); got {has_aux!r}"
         )
-    opts = _options.parse(entry, options)
+    opts = _options.parse(entry, options, runtime_count=False)
     pullback = dataclasses.replace(_arguments.make(entry, encode, dataclasses.replace(
-        opts, has_aux=False, weighted=True)), divide_later=True)
-    forward = _forward(entry, encode, opts, "concat")
+        opts, has_aux=False, weighted=True), takes_weights=False), divide_later=True)
+    forward = _forward(entry, encode, opts, "concat", takes_weights=False)
 
     def result(params: Any, batch: Any, *rest: Any) -> Result:
         reps = forward(params, batch, *rest)

@@ -203,13 +203,15 @@ class Options:
     mesh: jax.sharding.Mesh | DataParallel | None = None
     noise_scale: bool = False
     unroll: int | bool = 1
-    # the entry point the options were given to, named in every error (not an option)
+    # the entry point the options were given to, named in every error, and whether it takes
+    # a runtime count (the coupled losses do not: their messages do not suggest one)
     entry: dataclasses.InitVar[str] = "jaxaccum.Options"
+    runtime_count: dataclasses.InitVar[bool] = True
 
-    def __post_init__(self, entry: str) -> None:
+    def __post_init__(self, entry: str, runtime_count: bool) -> None:
         """Every option's type and value, checked once; errors name ``entry``."""
         _validation.exactly_one_count(self.num_microbatches, self.microbatch_size, entry,
-                                      self.max_microbatches)
+                                      self.max_microbatches, runtime_count)
         check_bool(entry, "weighted", self.weighted)
         check_bool(entry, "skip_nonfinite", self.skip_nonfinite)
         check_bool(entry, "noise_scale", self.noise_scale)
@@ -286,8 +288,9 @@ def check_bool(entry: str, name: str, value: Any) -> None:
         raise TypeError(f"{entry}: {name} must be a bool; got {value!r}")
 
 
-def parse(entry: str, options: Mapping[str, Any]) -> Options:
-    """Builds the :class:`Options` for a call of ``entry`` (e.g. ``"jaxaccum.train_step"``).
+def parse(entry: str, options: Mapping[str, Any], *, runtime_count: bool = True) -> Options:
+    """Builds the :class:`Options` for a call of ``entry`` (e.g. ``"jaxaccum.train_step"``;
+    ``runtime_count``: whether it takes ``max_microbatches``).
 
     Every error names ``entry``, the option, what was expected and received, and the fix.
     """
@@ -303,4 +306,4 @@ def parse(entry: str, options: Mapping[str, Any]) -> Options:
             f"{entry}: unknown option {name}=; {hint}check the name against the options "
             f"{sorted(fields)} (see jaxaccum.Options)"
         )
-    return Options(**options, entry=entry)
+    return Options(**options, entry=entry, runtime_count=runtime_count)

@@ -65,7 +65,8 @@ def shapes(acc: Accumulation, args: tuple[Any, ...], views: tuple[Any, ...]) -> 
         _validation.scalar(weight, f"{acc.entry}: the weight returned by the loss function "
                            "(weighted=True)", floating=False)
     for i, old, new in zip(acc.carry, acc.carried(args), new_carry, strict=True):
-        _validation.same_structure(old, new, f"{acc.entry}: carry_argnums: argument {i}")
+        rule = f"{acc.state_rule}; " if acc.state_rule else ""
+        _validation.same_structure(old, new, f"{acc.entry}: {rule}{acc.carried_name(i)}")
     plan: list[_reductions.AuxReduction] = []
     if acc.options.aux_spec is not None:
         plan = _reductions.aux_plan(acc.entry, acc.options.aux_spec, aux)
@@ -307,8 +308,8 @@ def run(acc: Accumulation, args: tuple[Any, ...], placement: Placement) -> Resul
         batch_size = _validation.leading_batch_size(args, acc.split, acc.entry)
         local = placement.local_batch_size(acc, batch_size)
         k = _validation.resolve_num_microbatches(
-            local, opts.num_microbatches, opts.microbatch_size, acc.entry, placement.devices
-        )
+            local, opts.num_microbatches, opts.microbatch_size, acc.entry, placement.devices,
+            acc.takes_weights)
         if opts.noise_scale and k * placement.devices < 2:
             raise ValueError(
                 f"{acc.entry}: noise_scale=True compares micro-batch gradients with the step's: "

@@ -115,9 +115,13 @@ def unless_empty(total: jax.Array, old: Any, new: Any) -> Any:
 
 
 def step_unless_empty(
-    total: jax.Array, step: Callable[[Any], Any], old: Any, *, donated: bool
+    total: jax.Array, step: Callable[[Any], Any], old: Any, *, donated: bool,
+    may_be_empty: bool = True,
 ) -> Any:
-    """``step(old)``, or ``old`` where the total weight is 0: :func:`unless_empty`'s rule.
+    """``step(old)``, or ``old`` where the total weight is 0: :func:`unless_empty`'s rule, the
+    one every train step (jaxaccum's, NNX's, linen's) applies: a step of total weight 0
+    changes nothing. ``may_be_empty`` False (no weights, no skipping, no runtime count: every
+    total is nonzero) is ``step(old)`` with no test at all.
 
     With donated inputs it is a ``lax.cond``: a select between the old and the new state would
     keep both alive (one more parameter- and optimizer-state-sized buffer), a conditional
@@ -125,6 +129,8 @@ def step_unless_empty(
     written straight to the outputs, while a conditional's results would need buffers of
     their own.
     """
+    if not may_be_empty:
+        return step(old)
     if donated:
         return jax.lax.cond(total != 0, step, lambda o: o, old)
     return unless_empty(total, old, step(old))

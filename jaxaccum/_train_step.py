@@ -49,11 +49,8 @@ def apply_step(
         updates, new_state = optimizer.update(finish(res.grads), opt_state, params)
         return optax.apply_updates(params, updates), new_state
 
-    if not may_be_empty:  # no weights, no skipping: every step has a nonzero total
-        return update((params, opt_state))
     return _reductions.step_unless_empty(  # type: ignore[no-any-return]
-        res.weight, update, (params, opt_state), donated=donated
-    )
+        res.weight, update, (params, opt_state), donated=donated, may_be_empty=may_be_empty)
 
 
 class TrainStep:

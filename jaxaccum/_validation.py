@@ -28,22 +28,18 @@ def positive_int(value: Any, name: str, entry: str | None = None) -> int:
     return int(value)
 
 
-def _coupled(entry: str) -> bool:
-    """The coupled-loss entry points take neither weights nor a runtime count: their messages
-    must not suggest them."""
-    return "coupled_" in entry
-
-
 def exactly_one_count(
-    num_microbatches: Any, microbatch_size: Any, entry: str, max_microbatches: Any = None
+    num_microbatches: Any, microbatch_size: Any, entry: str, max_microbatches: Any = None,
+    runtime_count: bool = True,
 ) -> None:
-    """Checks that exactly one of the micro-batch counts is given, and that it is valid."""
+    """Checks that exactly one of the micro-batch counts is given, and that it is valid
+    (``runtime_count``: ``entry`` takes ``max_microbatches``, so the message suggests it)."""
     given = [x is not None for x in (num_microbatches, microbatch_size, max_microbatches)]
     if sum(given) != 1:
-        runtime = "" if _coupled(entry) else (
+        runtime = "" if not runtime_count else (
             " (or max_microbatches, for a count known at run time)")
         got = f"num_microbatches={num_microbatches!r}, microbatch_size={microbatch_size!r}"
-        if not _coupled(entry):
+        if runtime_count:
             got += f", max_microbatches={max_microbatches!r}"
         raise ValueError(
             f"{entry}: exactly one of num_microbatches and microbatch_size{runtime} must be "
@@ -64,11 +60,13 @@ def resolve_num_microbatches(
     microbatch_size: int | None,
     entry: str = "jaxaccum",
     devices: int = 1,
+    weights: bool = True,
 ) -> int:
     """Returns k, checking that it splits ``batch_size`` (per device) into equal micro-batches.
 
     ``batch_size`` is the per-device batch size on a mesh of ``devices`` data-parallel devices;
-    the message then says so.
+    the message then says so. ``weights``: ``entry`` takes ``weighted=True``, so the message
+    suggests it.
     """
     where = (
         f"the per-device batch size {batch_size} (the batch of {batch_size * devices} over "
@@ -76,8 +74,8 @@ def resolve_num_microbatches(
         if devices > 1
         else f"the batch size {batch_size}"
     )
-    pad = ("pad the batch and mask the padded examples inside the loss" if _coupled(entry)
-           else "pad the batch and use weighted=True")
+    pad = ("pad the batch and use weighted=True" if weights
+           else "pad the batch and mask the padded examples inside the loss")
     if num_microbatches is not None:
         if batch_size % num_microbatches:
             raise ValueError(

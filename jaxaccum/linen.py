@@ -207,10 +207,8 @@ def train_step(
             new = apply_gradients(old, _pipeline.divide(acc, res.grads, res.weight, old.params))
             return new if stats is None else new.replace(batch_stats=res.carry[0])
 
-        if opts.divides_safely:  # nothing to learn from: the state as it was
-            new = _reductions.step_unless_empty(res.weight, update, state, donated=donate)
-        else:
-            new = update(state)
+        new = _reductions.step_unless_empty(res.weight, update, state, donated=donate,
+                                            may_be_empty=opts.divides_safely)
         return new, res.loss, step_info(res)
 
     jitted = jax.jit(step, donate_argnums=(0,) if donate else ())

@@ -114,24 +114,18 @@ def _accumulate(
         return out, _split(merged, diff_filter)[2]
 
     carry_at = 1 + len(args)
-    acc = _arguments.make(entry, pure, opts, batch_argnums=batch_argnums, carry_argnums=carry_at)
+    acc = _arguments.make(
+        entry, pure, opts, batch_argnums=batch_argnums, carry_argnums=carry_at,
+        state_name="the module's state",
+        state_rule=f"loss_fn must leave the module's variables other than "
+        f"wrt={getattr(wrt, '__name__', wrt)!r} (carried from one micro-batch to the next: "
+        "BatchStat, RNG counts, ...) with their structure, shapes and dtypes (paths start "
+        "with the position of the node: [0] is the module)")
     acc = dataclasses.replace(acc, divide_later=divide_later)
     plain = tuple(None if i in node_at else a for i, a in enumerate(args))
     call_args = (params, *plain, state)
     acc.bind(call_args, {})
-    try:
-        res = _value_and_grad.call(acc, call_args)
-    except TypeError as error:
-        prefix = f"{entry}: carry_argnums: argument {carry_at}"
-        if not str(error).startswith(prefix):
-            raise
-        raise TypeError(
-            f"{entry}: loss_fn must leave the module's variables other than "
-            f"wrt={getattr(wrt, '__name__', wrt)!r} (carried from one micro-batch to the "
-            "next: BatchStat, RNG counts, ...) with their structure, shapes and dtypes "
-            "(paths start with the position of the node: [0] is the module); the module's "
-            "state" + str(error)[len(prefix):]
-        ) from None
+    res = _value_and_grad.call(acc, call_args)
     new_state = res.carry[0]
     grads = res.grads[0] if 0 in res.grads else nnx.State({})
 
@@ -301,11 +295,9 @@ def train_step(
             new_optimizer.update(new_model, _pipeline.divide(acc, res.grads, res.weight, like))
             return nnx.state((new_model, new_optimizer))
 
-        if opts.divides_safely:  # a step of weight 0 changes nothing, carried state included
-            nnx.update(both, _reductions.step_unless_empty(res.weight, update, before,
-                                                           donated=donate))
-        else:
-            nnx.update(both, update(before))
+        # (a step of weight 0 changes nothing, carried state included)
+        nnx.update(both, _reductions.step_unless_empty(res.weight, update, before, donated=donate,
+                                                       may_be_empty=opts.divides_safely))
         return res.loss, step_info(res)
 
     jitted = nnx.jit(step, donate_argnums=(0, 1) if donate else None)

@@ -72,8 +72,7 @@ class AutoMesh(DataAxes):
     def refuse(self, acc: Accumulation, args: tuple[Any, ...]) -> None:
         """The options an Auto mesh cannot honour, refused before tracing."""
         if any(jax.tree.leaves(args[i]) for i in acc.carry):  # (an empty state is no state)
-            what = ("the module's state other than the differentiated variables"
-                    if acc.entry.startswith("jaxaccum.nnx.") else f"carry_argnums={acc.carry}")
+            what = acc.state_name or f"carry_argnums={acc.carry}"
             raise ValueError(
                 f"{acc.entry}: {what} with a mesh whose data axes "
                 f"{self.axes} are Auto: each device would see only its share of every "

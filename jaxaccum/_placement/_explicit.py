@@ -188,24 +188,19 @@ class ExplicitMesh(DataAxes):
         """An unreduced gradient cannot be tested as it is (the test is not linear), and
         reducing it would cost a gradient all-reduce per micro-batch. Its sum is finite when
         every partial sum is (up to an overflow of the sum itself), so each device tests its
-        own partials in a ``shard_map`` and only a scalar flag is reduced; the partials of a
-        non-finite micro-batch are zeroed there (``0 * NaN`` would not vanish)."""
-        leaves, tree = jax.tree.flatten(grads)
-        partial = [i for i, g in enumerate(leaves) if jax.typeof(g).sharding.spec.unreduced]
+        own partials in a ``shard_map`` and only a scalar flag is reduced. The partials are
+        added as they are: :meth:`add`'s weight of 0 adds nothing of them, not even a NaN."""
+        leaves = jax.tree.leaves(grads)
+        partial = [g for g in leaves if jax.typeof(g).sharding.spec.unreduced]
         if not partial:
             return base.finite(loss, grads)
-        plain = [g for i, g in enumerate(leaves) if i not in partial]
-        specs = tuple(jax.typeof(leaves[i]).sharding.spec for i in partial)
+        plain = [g for g in leaves if not jax.typeof(g).sharding.spec.unreduced]
         names = tuple(self.dp.mesh.axis_names)
 
-        def local(*gs: jax.Array) -> tuple[jax.Array, tuple[jax.Array, ...]]:
-            bad = jax.lax.pmax(jnp.logical_not(_reductions.all_finite(gs)).astype(jnp.int32),
-                               names)
-            return bad, tuple(jnp.where(bad > 0, jnp.zeros_like(g), g) for g in gs)
+        def local(*gs: jax.Array) -> jax.Array:
+            return jax.lax.pmax(  # any device's partial non-finite: every device skips
+                jnp.logical_not(_reductions.all_finite(gs)).astype(jnp.int32), names)
 
-        bad, masked = jax.shard_map(local, in_specs=specs, out_specs=(P(), specs),
-                                    check_vma=False)(*(leaves[i] for i in partial))
-        for i, g in zip(partial, masked, strict=True):
-            leaves[i] = g
-        finite = jnp.logical_and(bad == 0, _reductions.all_finite((loss, plain)))
-        return finite, jax.tree.unflatten(tree, leaves)
+        bad = jax.shard_map(local, in_specs=tuple(jax.typeof(g).sharding.spec for g in partial),
+                            out_specs=P(), check_vma=False)(*partial)
+        return jnp.logical_and(bad == 0, _reductions.all_finite((loss, plain))), grads
