@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any, Unpack
 
@@ -74,8 +75,7 @@ class TrainStep:
         # jaxaccum's own pipeline leaves the division by the total weight to the update
         self._divide_later = gradient is None
         later = dataclasses.replace(acc, divide_later=True)
-        self._gradient = gradient or (lambda args, hints: _value_and_grad.call(later, args,
-                                                                               hints))
+        self._gradient = gradient or functools.partial(_value_and_grad.call, later)
         self._optimizer = optimizer
         self._donate = donate
         self._dp = acc.options.data_parallel

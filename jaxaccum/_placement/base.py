@@ -8,6 +8,7 @@ back, and nothing here imports it.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol
 
@@ -39,9 +40,14 @@ class LeafOps(NamedTuple):
     loops: int = 1
 
 
-# The pipeline on the arguments one placement sees: (acc, args, k, count, ops) -> Result, with
-# ``count`` the traced number of real micro-batches (``max_microbatches``) or None for all k.
-PerDevice = Callable[[Accumulation, tuple[Any, ...], int, Any, LeafOps], Result]
+class PerDevice(Protocol):
+    """The pipeline on the arguments one placement sees (``count``: the traced number of real
+    micro-batches, ``max_microbatches``, or None for all ``k``)."""
+
+    def __call__(self, acc: Accumulation, args: tuple[Any, ...], k: int, count: Any,
+                 ops: LeafOps) -> Result: ...
+
+
 Placed = Callable[[Accumulation, tuple[Any, ...], int, Any], Result]
 
 
@@ -95,7 +101,4 @@ class OneDevice:
         return batch_size
 
     def wrap(self, per_device: PerDevice) -> Placed:
-        def placed(acc: Accumulation, args: tuple[Any, ...], k: int, count: Any) -> Result:
-            return per_device(acc, args, k, count, ONE_DEVICE)
-
-        return placed
+        return functools.partial(per_device, ops=ONE_DEVICE)  # (no frame of its own)
