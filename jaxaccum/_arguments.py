@@ -93,53 +93,6 @@ class Accumulation:
         """The same accumulation of another function (a placement's wrapper of ``fun``)."""
         return dataclasses.replace(self, fun=fun, pin_in_loop=self.pin_in_loop or pin_in_loop)
 
-    def split_output(self, out: Any) -> tuple[Any, Any, Any, tuple[Any, ...]]:
-        """``fun``'s output as ``(loss, weight, aux, new_carry)``, its structure checked."""
-        out, new_carry = self._split_carry(out)
-        weighted, has_aux = self.options.weighted, self.options.aux_spec is not None
-        expected = {
-            (False, False): "loss",
-            (True, False): "(loss, aux)",
-            (False, True): "(loss, weight)",
-            (True, True): "((loss, weight), aux)",
-        }[has_aux, weighted]
-
-        def pair(value: Any, what: str) -> tuple[Any, Any]:
-            if not (isinstance(value, (tuple, list)) and len(value) == 2):
-                raise TypeError(
-                    f"{self.entry}: the loss function must return {expected} (has_aux="
-                    f"{self.options.has_aux!r}, weighted={weighted}); {what} is "
-                    f"{_described(value)}. Return {expected}, or set has_aux and weighted "
-                    "to what it returns"
-                )
-            return value[0], value[1]
-
-        aux = weight = None
-        if has_aux:
-            out, aux = pair(out, "its output")
-        if weighted:
-            out, weight = pair(out, "its output" if not has_aux else "its loss part")
-        return out, weight, aux, new_carry
-
-    def _split_carry(self, out: Any) -> tuple[Any, tuple[Any, ...]]:
-        if not self.carry:
-            return out, ()
-        if not (isinstance(out, (tuple, list)) and len(out) == 2):
-            raise TypeError(
-                f"{self.entry}: with carry_argnums={self.carry}, the loss function must return "
-                f"(output, new_carry); got {type(out).__name__}: {out!r}"
-            )
-        new = out[1] if len(self.carry) > 1 else (out[1],)
-        if not (isinstance(new, (tuple, list)) and len(new) == len(self.carry)):
-            got = type(out[1]).__name__
-            if isinstance(out[1], (tuple, list)):
-                got += f" of {len(out[1])}"
-            raise TypeError(
-                f"{self.entry}: with carry_argnums={self.carry}, new_carry must be a tuple of "
-                f"{len(self.carry)} values, one per carried argument; got {got}"
-            )
-        return out[0], tuple(new)
-
     def bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Accumulation:
         """Checks a call's positional count; binds keyword arguments (passed whole to every
         micro-batch: never split, never differentiated, as in ``jax.value_and_grad``)."""
@@ -170,6 +123,54 @@ def _described(value: Any) -> str:
     if isinstance(value, (tuple, list)):
         return f"a {type(value).__name__} of {len(value)}"
     return f"a {type(value).__name__}"
+
+
+def split_output(acc: Accumulation, out: Any) -> tuple[Any, Any, Any, tuple[Any, ...]]:
+    """``fun``'s output as ``(loss, weight, aux, new_carry)``, its structure checked."""
+    out, new_carry = _split_carry(acc, out)
+    weighted, has_aux = acc.options.weighted, acc.options.aux_spec is not None
+    expected = {
+        (False, False): "loss",
+        (True, False): "(loss, aux)",
+        (False, True): "(loss, weight)",
+        (True, True): "((loss, weight), aux)",
+    }[has_aux, weighted]
+
+    def pair(value: Any, what: str) -> tuple[Any, Any]:
+        if not (isinstance(value, (tuple, list)) and len(value) == 2):
+            raise TypeError(
+                f"{acc.entry}: the loss function must return {expected} (has_aux="
+                f"{acc.options.has_aux!r}, weighted={weighted}); {what} is "
+                f"{_described(value)}. Return {expected}, or set has_aux and weighted "
+                "to what it returns"
+            )
+        return value[0], value[1]
+
+    aux = weight = None
+    if has_aux:
+        out, aux = pair(out, "its output")
+    if weighted:
+        out, weight = pair(out, "its output" if not has_aux else "its loss part")
+    return out, weight, aux, new_carry
+
+def _split_carry(acc: Accumulation, out: Any) -> tuple[Any, tuple[Any, ...]]:
+    if not acc.carry:
+        return out, ()
+    if not (isinstance(out, (tuple, list)) and len(out) == 2):
+        raise TypeError(
+            f"{acc.entry}: with carry_argnums={acc.carry}, the loss function must return "
+            f"(output, new_carry); got {type(out).__name__}: {out!r}"
+        )
+    new = out[1] if len(acc.carry) > 1 else (out[1],)
+    if not (isinstance(new, (tuple, list)) and len(new) == len(acc.carry)):
+        got = type(out[1]).__name__
+        if isinstance(out[1], (tuple, list)):
+            got += f" of {len(out[1])}"
+        raise TypeError(
+            f"{acc.entry}: with carry_argnums={acc.carry}, new_carry must be a tuple of "
+            f"{len(acc.carry)} values, one per carried argument; got {got}"
+        )
+    return out[0], tuple(new)
 
 
 def make(

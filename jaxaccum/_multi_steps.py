@@ -8,6 +8,7 @@ The rules for weights and skipped micro-batches are those of :mod:`jaxaccum._red
 from __future__ import annotations
 
 import difflib
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -393,122 +394,172 @@ def multi_steps(
             "should_skip_update_fn must be a function (updates, gradient_step, params) -> "
             f"(should_skip, skip_state); got {type(should_skip_update_fn).__name__}"
         )
-    inner_ex = optax.with_extra_args_support(inner)
+    config = _Window(optax.with_extra_args_support(inner), schedule, use_grad_mean,
+                     should_skip_update_fn, accumulator_dtype, skip_nonfinite)
+    return MultiStepsTransformation(functools.partial(_init, config),
+                                    functools.partial(_update, config))
 
-    def init_fn(params: optax.Params) -> MultiStepsState:
-        gradient_step = jnp.zeros((), jnp.int32)
-        skip_state: Any = ()
-        if should_skip_update_fn is not None:
-            _, skip_state = should_skip_update_fn(
-                optax.tree.zeros_like(params), gradient_step, params
-            )
-        return MultiStepsState(
-            mini_step=jnp.zeros((), jnp.int32),
-            gradient_step=gradient_step,
-            inner_opt_state=inner_ex.init(params),
-            acc_grads=_reductions.zeros_accumulator(params, accumulator_dtype),
-            skip_state=skip_state,
-            acc_weight=jnp.zeros((), jnp.float32),
-            skipped=jnp.zeros((), jnp.int32),
-            emitted=jnp.zeros((), jnp.bool_),
+
+class _Window(NamedTuple):
+    """What :func:`multi_steps` decided once, for every call of its ``init`` and ``update``.
+
+    Attributes:
+      inner: the inner transform, taking extra arguments.
+      schedule: ``gradient_step -> k`` (None: only the caller's ``emit`` ends a window).
+      use_grad_mean, should_skip_update_fn, accumulator_dtype, skip_nonfinite: as given to
+        :func:`multi_steps`.
+    """
+
+    inner: optax.GradientTransformationExtraArgs
+    schedule: Callable[[jax.Array], ArrayLike] | None
+    use_grad_mean: bool
+    should_skip_update_fn: ShouldSkipUpdateFn | None
+    accumulator_dtype: DTypeLike | None
+    skip_nonfinite: bool
+
+
+def _init(window: _Window, params: optax.Params) -> MultiStepsState:
+    gradient_step = jnp.zeros((), jnp.int32)
+    skip_state: Any = ()
+    if window.should_skip_update_fn is not None:
+        _, skip_state = window.should_skip_update_fn(
+            optax.tree.zeros_like(params), gradient_step, params
         )
+    return MultiStepsState(
+        mini_step=jnp.zeros((), jnp.int32),
+        gradient_step=gradient_step,
+        inner_opt_state=window.inner.init(params),
+        acc_grads=_reductions.zeros_accumulator(params, window.accumulator_dtype),
+        skip_state=skip_state,
+        acc_weight=jnp.zeros((), jnp.float32),
+        skipped=jnp.zeros((), jnp.int32),
+        emitted=jnp.zeros((), jnp.bool_),
+    )
 
-    def update_fn(
-        updates: optax.Updates,
-        state: MultiStepsState,
-        params: optax.Params | None = None,
-        *,
-        weight: ArrayLike | None = None,
-        emit: ArrayLike | None = None,
-        **extra_args: Any,
-    ) -> tuple[optax.Updates, MultiStepsState]:
-        _validation.floating_leaves(
-            updates, "updates", "multi_steps averages gradients and needs floating leaves"
+
+def _check_update(updates: optax.Updates, weight: ArrayLike | None) -> None:
+    _validation.floating_leaves(
+        updates, "updates", "multi_steps averages gradients and needs floating leaves"
+    )
+    if weight is not None:
+        try:
+            _validation.scalar(jnp.asarray(weight), "weight", floating=False)
+            _reductions.check_weight(weight, "weight")
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"{_UPDATE}: {e}") from None
+
+
+def _admitted(window: _Window, updates: optax.Updates, state: MultiStepsState,
+              params: optax.Params | None) -> tuple[jax.Array | None, Any, jax.Array]:
+    """Whether the micro-batch enters the window (None: ``should_skip_update_fn`` is not
+    given, every one does), the new skip state, and whether it is left out."""
+    if window.should_skip_update_fn is None:
+        return None, state.skip_state, jnp.zeros((), jnp.bool_)
+    should_skip, skip_state = window.should_skip_update_fn(updates, state.gradient_step, params)
+    should_skip = jnp.asarray(should_skip)
+    if (should_skip.dtype, should_skip.shape) != (jnp.bool_, ()):
+        raise ValueError(
+            "should_skip_update_fn must return a boolean scalar first; got dtype "
+            f"{should_skip.dtype} and shape {should_skip.shape}"
         )
-        if weight is not None:
-            try:
-                _validation.scalar(jnp.asarray(weight), "weight", floating=False)
-                _reductions.check_weight(weight, "weight")
-            except (TypeError, ValueError) as e:
-                raise type(e)(f"{_UPDATE}: {e}") from None
-        caller_emit = _emit_flag(emit)
+    return jnp.logical_not(should_skip), skip_state, should_skip
 
-        # keep: the micro-batch enters the window (should_skip_update_fn did not reject it).
-        keep: jax.Array | None = None
-        skip_state = state.skip_state
-        left_out = jnp.zeros((), jnp.bool_)
-        if should_skip_update_fn is not None:
-            should_skip, skip_state = should_skip_update_fn(updates, state.gradient_step, params)
-            should_skip = jnp.asarray(should_skip)
-            if (should_skip.dtype, should_skip.shape) != (jnp.bool_, ()):
-                raise ValueError(
-                    "should_skip_update_fn must return a boolean scalar first; got dtype "
-                    f"{should_skip.dtype} and shape {should_skip.shape}"
-                )
-            keep = jnp.logical_not(should_skip)
-            left_out = should_skip
 
-        w: jax.Array | None = None
-        if weight is None and not skip_nonfinite:
-            acc_weight = state.acc_weight + 1  # every weight 1: plain sums, no NaN to guard
-        else:
-            w = jnp.ones((), jnp.float32) if weight is None else jnp.asarray(weight, jnp.float32)
-            if skip_nonfinite:
-                w, bad = _reductions.skip_if_nonfinite(w, _reductions.all_finite(updates))
-                left_out = jnp.logical_or(left_out, bad)
-            acc_weight = _reductions.add_weight(state.acc_weight, w)
+def _added(window: _Window, updates: optax.Updates, state: MultiStepsState,
+           weight: ArrayLike | None, keep: jax.Array | None,
+           left_out: jax.Array) -> tuple[Any, jax.Array, jax.Array, jax.Array]:
+    """The micro-batch added into the window: ``(acc_grads, acc_weight, mini_step,
+    left_out)`` (a non-finite micro-batch left out too, with ``skip_nonfinite``)."""
+    w: jax.Array | None = None
+    if weight is None and not window.skip_nonfinite:
+        acc_weight = state.acc_weight + 1  # every weight 1: plain sums, no NaN to guard
+    else:
+        w = jnp.ones((), jnp.float32) if weight is None else jnp.asarray(weight, jnp.float32)
+        if window.skip_nonfinite:
+            w, bad = _reductions.skip_if_nonfinite(w, _reductions.all_finite(updates))
+            left_out = jnp.logical_or(left_out, bad)
+        acc_weight = _reductions.add_weight(state.acc_weight, w)
 
-        def add(acc: jax.Array, g: ArrayLike) -> jax.Array:
-            if w is None:
-                return (acc + g).astype(acc.dtype)
-            return _reductions.weighted_add(acc, g, w)
+    def add(acc: jax.Array, g: ArrayLike) -> jax.Array:
+        if w is None:
+            return (acc + g).astype(acc.dtype)
+        return _reductions.weighted_add(acc, g, w)
 
-        acc_grads = jax.tree.map(add, state.acc_grads, updates)
-        mini_step = state.mini_step + 1
-        if keep is not None:  # a rejected micro-batch leaves the window as it was
-            acc_grads = jax.tree.map(
-                lambda new, old: jnp.where(keep, new, old), acc_grads, state.acc_grads
-            )
-            acc_weight = jnp.where(keep, acc_weight, state.acc_weight)
-            mini_step = jnp.where(keep, mini_step, state.mini_step)
-
-        # The window is complete (k below 1 acts as 1: a kept call makes mini_step >= 1).
-        if schedule is None:  # every_k=None: only the caller ends a window
-            emit = jnp.zeros((), jnp.bool_)
-        else:
-            emit = mini_step >= jnp.asarray(schedule(state.gradient_step), jnp.int32)
-            if keep is not None:  # a rejected call never ends a window (even one resumed
-                emit = jnp.logical_and(keep, emit)  # with k smaller than what it holds)
-        if caller_emit is not None:  # the caller ends it now, with what it holds (this call's
-            emit = jnp.logical_or(emit, caller_emit)  # gradient, unless left out, included)
-        # No step on a window of total weight 0; a NaN total (a traced negative weight) does
-        # step, so that the NaN reaches the update instead of being dropped silently.
-        step = jnp.logical_and(emit, acc_weight != 0)
-
-        def inner_step(total: Any, inner_state: Any) -> tuple[optax.Updates, optax.OptState]:
-            if use_grad_mean:  # acc_weight != 0 here; a NaN one gives NaN
-                total = _reductions.safe_divide(total, acc_weight)
-            new_updates, new_state = inner_ex.update(
-                _reductions.cast_like(total, updates), inner_state, params, **extra_args
-            )
-            return new_updates, _keep_dtypes(new_state, inner_state)
-
-        def no_step(total: Any, inner_state: Any) -> tuple[optax.Updates, optax.OptState]:
-            shapes, _ = jax.eval_shape(inner_step, total, inner_state)
-            return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes), inner_state
-
-        new_updates, inner_opt_state = jax.lax.cond(
-            step, inner_step, no_step, acc_grads, state.inner_opt_state
+    acc_grads = jax.tree.map(add, state.acc_grads, updates)
+    mini_step = state.mini_step + 1
+    if keep is not None:  # a rejected micro-batch leaves the window as it was
+        acc_grads = jax.tree.map(
+            lambda new, old: jnp.where(keep, new, old), acc_grads, state.acc_grads
         )
-        return new_updates, MultiStepsState(
-            mini_step=jnp.where(emit, 0, mini_step).astype(jnp.int32),
-            gradient_step=(state.gradient_step + step).astype(jnp.int32),
-            inner_opt_state=inner_opt_state,
-            acc_grads=jax.tree.map(lambda a: jnp.where(emit, jnp.zeros_like(a), a), acc_grads),
-            skip_state=skip_state,
-            acc_weight=jnp.where(emit, 0.0, acc_weight).astype(jnp.float32),
-            skipped=(state.skipped + left_out).astype(jnp.int32),
-            emitted=step,
-        )
+        acc_weight = jnp.where(keep, acc_weight, state.acc_weight)
+        mini_step = jnp.where(keep, mini_step, state.mini_step)
+    return acc_grads, acc_weight, mini_step, left_out
 
-    return MultiStepsTransformation(init_fn, update_fn)
+
+def _ends(window: _Window, state: MultiStepsState, mini_step: jax.Array,
+          keep: jax.Array | None, caller_emit: jax.Array | None) -> jax.Array:
+    """Whether this call ends the window (k below 1 acts as 1: a kept call makes
+    ``mini_step`` >= 1)."""
+    if window.schedule is None:  # every_k=None: only the caller ends a window
+        emit = jnp.zeros((), jnp.bool_)
+    else:
+        emit = mini_step >= jnp.asarray(window.schedule(state.gradient_step), jnp.int32)
+        if keep is not None:  # a rejected call never ends a window (even one resumed
+            emit = jnp.logical_and(keep, emit)  # with k smaller than what it holds)
+    if caller_emit is not None:  # the caller ends it now, with what it holds (this call's
+        emit = jnp.logical_or(emit, caller_emit)  # gradient, unless left out, included)
+    return emit
+
+
+def _inner_step(window: _Window, step: jax.Array, acc_grads: Any, acc_weight: jax.Array,
+                updates: optax.Updates, inner_state: Any, params: optax.Params | None,
+                extra_args: dict[str, Any]) -> tuple[optax.Updates, optax.OptState]:
+    """The inner update on the window's mean where ``step``, else zeros and the state as it
+    was: a ``lax.cond``, so that ``inner.update`` runs only on emitting calls."""
+
+    def inner_step(total: Any, inner_state: Any) -> tuple[optax.Updates, optax.OptState]:
+        if window.use_grad_mean:  # acc_weight != 0 here; a NaN one gives NaN
+            total = _reductions.safe_divide(total, acc_weight)
+        new_updates, new_state = window.inner.update(
+            _reductions.cast_like(total, updates), inner_state, params, **extra_args
+        )
+        return new_updates, _keep_dtypes(new_state, inner_state)
+
+    def no_step(total: Any, inner_state: Any) -> tuple[optax.Updates, optax.OptState]:
+        shapes, _ = jax.eval_shape(inner_step, total, inner_state)
+        return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes), inner_state
+
+    return jax.lax.cond(step, inner_step, no_step, acc_grads, inner_state)  # type: ignore[no-any-return]
+
+
+def _update(
+    window: _Window,
+    updates: optax.Updates,
+    state: MultiStepsState,
+    params: optax.Params | None = None,
+    *,
+    weight: ArrayLike | None = None,
+    emit: ArrayLike | None = None,
+    **extra_args: Any,
+) -> tuple[optax.Updates, MultiStepsState]:
+    _check_update(updates, weight)
+    caller_emit = _emit_flag(emit)
+    keep, skip_state, left_out = _admitted(window, updates, state, params)
+    acc_grads, acc_weight, mini_step, left_out = _added(window, updates, state, weight, keep,
+                                                        left_out)
+    ends = _ends(window, state, mini_step, keep, caller_emit)
+    # No step on a window of total weight 0; a NaN total (a traced negative weight) does
+    # step, so that the NaN reaches the update instead of being dropped silently.
+    step = jnp.logical_and(ends, acc_weight != 0)
+    new_updates, inner_opt_state = _inner_step(window, step, acc_grads, acc_weight, updates,
+                                               state.inner_opt_state, params, extra_args)
+    return new_updates, MultiStepsState(
+        mini_step=jnp.where(ends, 0, mini_step).astype(jnp.int32),
+        gradient_step=(state.gradient_step + step).astype(jnp.int32),
+        inner_opt_state=inner_opt_state,
+        acc_grads=jax.tree.map(lambda a: jnp.where(ends, jnp.zeros_like(a), a), acc_grads),
+        skip_state=skip_state,
+        acc_weight=jnp.where(ends, 0.0, acc_weight).astype(jnp.float32),
+        skipped=(state.skipped + left_out).astype(jnp.int32),
+        emitted=step,
+    )

@@ -16,7 +16,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxaccum import _conv_layout, _microbatches, _noise, _reductions, _validation
+from jaxaccum import _arguments, _conv_layout, _microbatches, _noise, _reductions, _validation
 from jaxaccum._arguments import Accumulation
 from jaxaccum._placement.base import LeafOps, Placement
 from jaxaccum._records import Result, Shapes, Sums
@@ -58,7 +58,7 @@ def shapes(acc: Accumulation, args: tuple[Any, ...], views: tuple[Any, ...]) -> 
     def first(v: tuple[Any, ...]) -> Any:  # indexing inside keeps sharding types
         return acc.fun(*acc.with_batch(args, take(acc, v, 0)))
 
-    loss, weight, aux, new_carry = acc.split_output(jax.eval_shape(first, views))
+    loss, weight, aux, new_carry = _arguments.split_output(acc, jax.eval_shape(first, views))
     _validation.scalar(loss, f"{acc.entry}: the loss returned by the loss function",
                        floating=True)
     if acc.options.weighted:
@@ -107,7 +107,7 @@ def micro_step(
     opts = acc.options
 
     def with_weight(*a: Any) -> tuple[jax.Array, tuple[Any, Any, Any]]:
-        loss, weight, aux, new_carry = acc.split_output(acc.fun(*a))
+        loss, weight, aux, new_carry = _arguments.split_output(acc, acc.fun(*a))
         return loss, (weight, aux, new_carry)
 
     # XLA:CPU canonicalises convolution layouts only in the entry computation: in this loop

@@ -39,20 +39,20 @@ class AutoMesh(DataAxes):
 
     def wrap(self, per_device: base.PerDevice) -> base.Placed:
         def placed(acc: Accumulation, args: tuple[Any, ...], k: int, count: Any) -> Result:
-            self.refuse(acc, args)
+            refuse(self, acc, args)
             args = tuple(jax.tree.map(jnp.asarray, a) for a in args)
             if self.dp.explicit:  # the coupled losses' forward pass: the batch where it splits
                 args = tuple(jax.tree.map(lambda x: self.reshard(
                     x, _specs.leading(self.axes, x.ndim, acc.stacked)), a) if i in acc.split
                     else a for i, a in enumerate(args))
-            specs = self.arg_specs(acc, args)
+            specs = arg_specs(self, acc, args)
             ops = self.leaf_ops(acc.differentiated(specs))
             layout: dict[str, Any] = {}  # the aux's structure, read while tracing
 
             def body(n: Any, *local: Any) -> tuple[Any, ...]:
                 local_acc, local_args = self.enter(acc, local, specs)
                 res = per_device(local_acc, local_args, k, n, ops)
-                return (res.loss, res.grads, self.aux_out(acc, res, layout), res.weight,
+                return (res.loss, res.grads, aux_out(acc, res, layout), res.weight,
                         res.skipped, res.noise)
 
             in_specs = jax.tree.map(lambda x, s: _specs.only(s, jnp.ndim(x), self.axes), args,
@@ -63,44 +63,11 @@ class AutoMesh(DataAxes):
                            P(), P()),
                 axis_names=set(self.axes), check_vma=False,
             )(count, *args)
-            return Result(loss, grads, self.aux_in(aux, layout), weight, skipped,
+            return Result(loss, grads, aux_in(self, aux, layout), weight, skipped,
                           self.devices * (k if count is None else count),
                           carry=tuple(acc.carried(args)), noise=noise)  # (carried: empty)
 
         return placed
-
-    def refuse(self, acc: Accumulation, args: tuple[Any, ...]) -> None:
-        """The options an Auto mesh cannot honour, refused before tracing."""
-        if any(jax.tree.leaves(args[i]) for i in acc.carry):  # (an empty state is no state)
-            what = acc.state_name or f"carry_argnums={acc.carry}"
-            raise ValueError(
-                f"{acc.entry}: {what} with a mesh whose data axes "
-                f"{self.axes} are Auto: each device would see only its share of every "
-                "micro-batch, so carried state (BatchNorm statistics) would differ from the "
-                "single-device run; use a mesh with Explicit axes (jax.make_mesh's default)"
-            )
-        if acc.options.noise_scale and self.dp.fsdp == "microbatch":
-            raise ValueError(
-                f"{acc.entry}: noise_scale=True with fsdp='microbatch': each micro-batch's "
-                "gradient is reduce-scattered over the devices at once, so no device holds its "
-                "own micro-batch gradient to measure; use fsdp='step'"
-            )
-
-    def arg_specs(self, acc: Accumulation, args: tuple[Any, ...]) -> tuple[Any, ...]:
-        """Every argument leaf's spec: the batch split over the data axes; every other leaf
-        as it is sharded (or as its hint says)."""
-        out = []
-        for i, a in enumerate(args):
-            if i in acc.split:
-                out.append(jax.tree.map(
-                    lambda x: _specs.leading(self.axes, jnp.ndim(x), acc.stacked), a))
-            elif self.hints is None or self.hints[i] is None:
-                out.append(jax.tree.map(lambda x: _specs.of(x, self.dp.mesh), a))
-            else:
-                out.append(jax.tree.map(
-                    lambda h, x: _specs.of(x, self.dp.mesh, h), self.hints[i], a,
-                    is_leaf=lambda h: h is None or isinstance(h, NamedSharding)))
-        return tuple(out)
 
     def leaf_ops(self, specs: Any) -> base.LeafOps:
         """Per-device accumulators as on one device; the reduction over the data axes
@@ -159,30 +126,67 @@ class AutoMesh(DataAxes):
                for r, a in zip(out.aux_plan, sums.aux or [], strict=True)]
         return Sums(loss, grads, weight, skipped, sums.carry, aux or sums.aux, sq_norms)
 
-    @staticmethod
-    def aux_out(acc: Accumulation, res: Result, layout: dict[str, Any]) -> list[jax.Array]:
-        """Inside the ``shard_map``: the aux leaves as the devices' shares to join on axis 0
-        (``layout`` records how, for :meth:`aux_in`)."""
-        layout["tree"] = jax.tree.structure(res.aux)
-        layout["stacked"] = [r.stacked for r in res.aux_plan]
-        # a stack's concat leaves are (K, m): the devices' shares join along m
-        layout["swap"] = [acc.stacked and r is _reductions.AUX_REDUCTIONS["concat"]
-                          for r in res.aux_plan]
-        return [jnp.swapaxes(x, 0, 1) if swap else x if stacked else jnp.expand_dims(x, 0)
-                for stacked, swap, x in zip(layout["stacked"], layout["swap"],
-                                            jax.tree.leaves(res.aux), strict=True)]
 
-    def aux_in(self, aux: list[jax.Array], layout: dict[str, Any]) -> Any:
-        """Outside the ``shard_map``: the aux as one device would have it (a reduced leaf is
-        the same on every device: the first device's copy)."""
-        leaves = [jnp.swapaxes(x, 0, 1) if swap else x if stacked else self.first(x)
-                  for stacked, swap, x in zip(layout["stacked"], layout["swap"], aux,
-                                              strict=True)]
-        return jax.tree.unflatten(layout["tree"], leaves)
+def refuse(mesh: AutoMesh, acc: Accumulation, args: tuple[Any, ...]) -> None:
+    """The options an Auto mesh cannot honour, refused before tracing."""
+    if any(jax.tree.leaves(args[i]) for i in acc.carry):  # (an empty state is no state)
+        what = acc.state_name or f"carry_argnums={acc.carry}"
+        raise ValueError(
+            f"{acc.entry}: {what} with a mesh whose data axes "
+            f"{mesh.axes} are Auto: each device would see only its share of every "
+            "micro-batch, so carried state (BatchNorm statistics) would differ from the "
+            "single-device run; use a mesh with Explicit axes (jax.make_mesh's default)"
+        )
+    if acc.options.noise_scale and mesh.dp.fsdp == "microbatch":
+        raise ValueError(
+            f"{acc.entry}: noise_scale=True with fsdp='microbatch': each micro-batch's "
+            "gradient is reduce-scattered over the devices at once, so no device holds its "
+            "own micro-batch gradient to measure; use fsdp='step'"
+        )
 
-    def first(self, x: jax.Array) -> jax.Array:
-        """The first device's copy of a value every device holds (one per device on axis 0);
-        on Explicit axes (a forward pass of the coupled losses) replicated first."""
-        if self.dp.explicit:
-            x = self.reshard(x, P())
-        return x[0]
+
+def arg_specs(mesh: AutoMesh, acc: Accumulation, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """Every argument leaf's spec: the batch split over the data axes; every other leaf
+    as it is sharded (or as its hint says)."""
+    out = []
+    for i, a in enumerate(args):
+        if i in acc.split:
+            out.append(jax.tree.map(
+                lambda x: _specs.leading(mesh.axes, jnp.ndim(x), acc.stacked), a))
+        elif mesh.hints is None or mesh.hints[i] is None:
+            out.append(jax.tree.map(lambda x: _specs.of(x, mesh.dp.mesh), a))
+        else:
+            out.append(jax.tree.map(
+                lambda h, x: _specs.of(x, mesh.dp.mesh, h), mesh.hints[i], a,
+                is_leaf=lambda h: h is None or isinstance(h, NamedSharding)))
+    return tuple(out)
+
+
+def aux_out(acc: Accumulation, res: Result, layout: dict[str, Any]) -> list[jax.Array]:
+    """Inside the ``shard_map``: the aux leaves as the devices' shares to join on axis 0
+    (``layout`` records how, for :func:`aux_in`)."""
+    layout["tree"] = jax.tree.structure(res.aux)
+    layout["stacked"] = [r.stacked for r in res.aux_plan]
+    # a stack's concat leaves are (K, m): the devices' shares join along m
+    layout["swap"] = [acc.stacked and r is _reductions.AUX_REDUCTIONS["concat"]
+                      for r in res.aux_plan]
+    return [jnp.swapaxes(x, 0, 1) if swap else x if stacked else jnp.expand_dims(x, 0)
+            for stacked, swap, x in zip(layout["stacked"], layout["swap"],
+                                        jax.tree.leaves(res.aux), strict=True)]
+
+
+def aux_in(mesh: AutoMesh, aux: list[jax.Array], layout: dict[str, Any]) -> Any:
+    """Outside the ``shard_map``: the aux as one device would have it (a reduced leaf is
+    the same on every device: the first device's copy)."""
+    leaves = [jnp.swapaxes(x, 0, 1) if swap else x if stacked else first(mesh, x)
+              for stacked, swap, x in zip(layout["stacked"], layout["swap"], aux,
+                                          strict=True)]
+    return jax.tree.unflatten(layout["tree"], leaves)
+
+
+def first(mesh: AutoMesh, x: jax.Array) -> jax.Array:
+    """The first device's copy of a value every device holds (one per device on axis 0);
+    on Explicit axes (a forward pass of the coupled losses) replicated first."""
+    if mesh.dp.explicit:
+        x = mesh.reshard(x, P())
+    return x[0]

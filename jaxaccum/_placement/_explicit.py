@@ -123,8 +123,8 @@ class ExplicitMesh(DataAxes):
             acc = gather_inside(acc, lambda tree: jax.tree.map(
                 lambda x, t: to_type(x, t) if t.per_microbatch else x, tree, leaves,
                 is_leaf=_is_leaf_plan))
-        ops = base.LeafOps(zeros=functools.partial(self.zeros, leaves=leaves), add=self.add,
-                           finite=self.finite,
+        ops = base.LeafOps(zeros=functools.partial(self.zeros, leaves=leaves), add=add,
+                           finite=functools.partial(finite, tuple(self.dp.mesh.axis_names)),
                            reduce=functools.partial(self.reduce, leaves=leaves))
         return acc, acc.replace_differentiated(args, outside), k, count, ops
 
@@ -140,20 +140,6 @@ class ExplicitMesh(DataAxes):
 
         return jax.tree.map(zero, diff, leaves, is_leaf=_is_leaf_plan)
 
-    def add(self, acc: jax.Array, g: jax.Array, w: jax.Array | None) -> jax.Array:
-        """An unreduced gradient admits only linear operations, so the weighted add (a
-        weight-0 micro-batch adds nothing, not even the NaN of a 0/0 loss) runs on each
-        device's partial sum in a ``shard_map``: no communication, the same rule as on one
-        device (the weight is the same on every device)."""
-        spec = jax.typeof(g).sharding.spec
-        if not spec.unreduced:
-            return base.add(acc, g, w)
-        if w is None:
-            return (acc + g).astype(acc.dtype)
-        return jax.shard_map(  # type: ignore[no-any-return]
-            _reductions.weighted_add, in_specs=(jax.typeof(acc).sharding.spec, spec, P()),
-            out_specs=jax.typeof(acc).sharding.spec, check_vma=False)(acc, g, w)
-
     def reduce(self, sums: Sums, out: Shapes, leaves: Any) -> Sums:
         """The accumulated gradients reduced once; every other sum is a global value."""
         grads = jax.tree.map(self.reduce_once, sums.grads, leaves, is_leaf=_is_leaf_plan)
@@ -168,7 +154,7 @@ class ExplicitMesh(DataAxes):
         spec, per_microbatch, reduced = leaf
         entries = _specs.padded(spec, g.ndim)
         if (per_microbatch or not reduced or not _specs.uses(spec, g.ndim, self.axes)
-                or not all(map(self.data_minor, entries))):
+                or not all(data_minor(e, self.axes) for e in entries)):
             return self.reshard(g, spec)  # (a data axis before another one: an all-reduce)
         # unreduced in_specs need a shard_map manual over every axis; only the data axes
         # are reduced in it, each device's block of the other axes stays where it is
@@ -179,28 +165,44 @@ class ExplicitMesh(DataAxes):
         )(g)
         return self.reshard(out, spec)
 
-    def data_minor(self, e: Any) -> bool:
-        """Whether the data axes of a spec entry come after all its other axes."""
-        data = [n in self.axes for n in _specs.names(e)]
-        return data == sorted(data)
 
-    def finite(self, loss: jax.Array, grads: Any) -> tuple[jax.Array, Any]:
-        """An unreduced gradient cannot be tested as it is (the test is not linear), and
-        reducing it would cost a gradient all-reduce per micro-batch. Its sum is finite when
-        every partial sum is (up to an overflow of the sum itself), so each device tests its
-        own partials in a ``shard_map`` and only a scalar flag is reduced. The partials are
-        added as they are: :meth:`add`'s weight of 0 adds nothing of them, not even a NaN."""
-        leaves = jax.tree.leaves(grads)
-        partial = [g for g in leaves if jax.typeof(g).sharding.spec.unreduced]
-        if not partial:
-            return base.finite(loss, grads)
-        plain = [g for g in leaves if not jax.typeof(g).sharding.spec.unreduced]
-        names = tuple(self.dp.mesh.axis_names)
+def add(acc: jax.Array, g: jax.Array, w: jax.Array | None) -> jax.Array:
+    """An unreduced gradient admits only linear operations, so the weighted add (a
+    weight-0 micro-batch adds nothing, not even the NaN of a 0/0 loss) runs on each
+    device's partial sum in a ``shard_map``: no communication, the same rule as on one
+    device (the weight is the same on every device)."""
+    spec = jax.typeof(g).sharding.spec
+    if not spec.unreduced:
+        return base.add(acc, g, w)
+    if w is None:
+        return (acc + g).astype(acc.dtype)
+    return jax.shard_map(  # type: ignore[no-any-return]
+        _reductions.weighted_add, in_specs=(jax.typeof(acc).sharding.spec, spec, P()),
+        out_specs=jax.typeof(acc).sharding.spec, check_vma=False)(acc, g, w)
 
-        def local(*gs: jax.Array) -> jax.Array:
-            return jax.lax.pmax(  # any device's partial non-finite: every device skips
-                jnp.logical_not(_reductions.all_finite(gs)).astype(jnp.int32), names)
 
-        bad = jax.shard_map(local, in_specs=tuple(jax.typeof(g).sharding.spec for g in partial),
-                            out_specs=P(), check_vma=False)(*partial)
-        return jnp.logical_and(bad == 0, _reductions.all_finite((loss, plain))), grads
+def data_minor(e: Any, axes: tuple[str, ...]) -> bool:
+    """Whether the data axes of a spec entry come after all its other axes."""
+    data = [n in axes for n in _specs.names(e)]
+    return data == sorted(data)
+
+
+def finite(axis_names: tuple[str, ...], loss: jax.Array, grads: Any) -> tuple[jax.Array, Any]:
+    """An unreduced gradient cannot be tested as it is (the test is not linear), and
+    reducing it would cost a gradient all-reduce per micro-batch. Its sum is finite when
+    every partial sum is (up to an overflow of the sum itself), so each device tests its
+    own partials in a ``shard_map`` and only a scalar flag is reduced. The partials are
+    added as they are: :func:`add`'s weight of 0 adds nothing of them, not even a NaN."""
+    leaves = jax.tree.leaves(grads)
+    partial = [g for g in leaves if jax.typeof(g).sharding.spec.unreduced]
+    if not partial:
+        return base.finite(loss, grads)
+    plain = [g for g in leaves if not jax.typeof(g).sharding.spec.unreduced]
+
+    def local(*gs: jax.Array) -> jax.Array:
+        return jax.lax.pmax(  # any device's partial non-finite: every device skips
+            jnp.logical_not(_reductions.all_finite(gs)).astype(jnp.int32), axis_names)
+
+    bad = jax.shard_map(local, in_specs=tuple(jax.typeof(g).sharding.spec for g in partial),
+                        out_specs=P(), check_vma=False)(*partial)
+    return jnp.logical_and(bad == 0, _reductions.all_finite((loss, plain))), grads
