@@ -50,10 +50,11 @@ def scanned(p: Params, x: jax.Array, explicit: bool = True) -> jax.Array:
 
 
 def loop_bias(p: Params, x: jax.Array, explicit: bool = True) -> jax.Array:
-    """A 2-D and a 3-D kernel at the top level, then a loop that closes over a bias: only
-    the bias falls back; the kernels keep the single reduction."""
+    """2-D and 3-D kernels at the top level, then a loop that closes over a bias: only the
+    bias falls back; the kernels (every leaf of 2 dimensions or more) keep the single
+    reduction."""
     dot = matmul(explicit)
-    h = jnp.tanh(dot(x, p["w"][0]))
+    h = jnp.tanh(dot(jnp.tanh(dot(x, p["w2"])), p["w"][0]))
     h = jnp.tanh(jnp.einsum("bd,hde->bhe", h, p["w3"],
                             out_sharding=P("data", None, None) if explicit else None)).mean(1)
     h, _ = jax.lax.scan(lambda h, _: (jnp.tanh(h + p["bias"]), None), h, None, length=2)
@@ -79,6 +80,7 @@ def main() -> None:
         "ck": rng.normal(size=(3, 3, 1, D)).astype(np.float32) / 3,
         "w3": rng.normal(size=(L, D, D)).astype(np.float32) / 4,
         "bias": rng.normal(size=(D,)).astype(np.float32) / 10,
+        "w2": rng.normal(size=(D, D)).astype(np.float32) / 4,  # a kernel of 2 dimensions
     }
     x_host = rng.normal(size=(B, D)).astype(np.float32)
     mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
