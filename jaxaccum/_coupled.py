@@ -37,9 +37,10 @@ from jaxaccum import (
 )
 from jaxaccum._options import OptionsDict
 from jaxaccum._records import Result, step_info
+from jaxaccum._reductions import AuxReductionName
 
 
-def _forward(entry: str, fun: Callable[..., Any], opts: _options.Options, how: str,
+def _forward(entry: str, fun: Callable[..., Any], opts: _options.Options, how: AuxReductionName,
              takes_weights: bool = True) -> Any:
     """A pass of the pipeline that only evaluates ``fun`` and returns its output combined
     across micro-batches as ``how`` says: the differentiated argument is a scalar placeholder

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any, Literal, TypedDict, get_args
 
 import jax
@@ -25,7 +25,8 @@ from jaxaccum._reductions import AuxReductionName
 FsdpMode = Literal["step", "microbatch"]
 FSDP_MODES: tuple[FsdpMode, ...] = get_args(FsdpMode)
 # has_aux: a bool, a reduction's name, or a pytree prefix of the aux whose leaves are names
-HasAux = bool | AuxReductionName | Mapping[Any, Any] | Sequence[Any]
+# (a dict, tuple, list or NamedTuple: a Sequence would let any str through the Literal)
+HasAux = bool | AuxReductionName | Mapping[Any, Any] | tuple[Any, ...] | list[Any]
 
 # Options that existed once: what to write instead.
 RENAMED = {

@@ -508,3 +508,23 @@ def test_new_carry_of_the_wrong_kind_or_length_is_named(new, got):
     with refuses(TypeError, match=f"new_carry must be a tuple of 2 values.*; got {got}$"):
         jaxaccum.value_and_grad(bad, num_microbatches=2, carry_argnums=(2, 3))(
             W, batch(), jnp.zeros(()), jnp.zeros(()))
+
+
+def test_an_installed_package_holds_every_module_and_its_types():
+    """What pip installs from a wheel: every subpackage of jaxaccum (an explicit package list
+    once left one out, which an editable install hides) and ``py.typed``, so that users' type
+    checkers read the typed options."""
+    import pathlib
+
+    import setuptools
+    import tomllib
+
+    root = pathlib.Path(jaxaccum.__file__).parent
+    config = tomllib.loads((root.parent / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed = config.get("packages")  # an explicit list, or find's patterns
+    found = set(listed) if isinstance(listed, list) else set(setuptools.find_packages(
+        str(root.parent), include=config["packages"]["find"]["include"]))
+    on_disk = {".".join(p.parent.relative_to(root.parent).parts)
+               for p in root.rglob("__init__.py")}
+    assert on_disk <= found, on_disk - found
+    assert (root / "py.typed").is_file() and "py.typed" in config["package-data"]["jaxaccum"]
