@@ -201,10 +201,13 @@ def test_noise_scale_refuses_explicit_axes_and_per_microbatch_fsdp():
         jaxaccum.value_and_grad(mse_loss, num_microbatches=4, **NOISE,
                                 mesh=explicit)(params, batch)
     auto = jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
-    fsdp = jaxaccum.DataParallel(auto, fsdp="microbatch")
-    with refuses(ValueError, match="fsdp='microbatch'.*use fsdp='step'"):
-        jaxaccum.value_and_grad(mse_loss, num_microbatches=4, **NOISE,
-                                mesh=fsdp)(params, batch)
+    # the mode as a literal, and as a config file or a command line gives it (a str built at
+    # run time, not the interned literal: an identity test would miss it)
+    for mode in ("microbatch", "".join(["micro", "batch"])):
+        fsdp = jaxaccum.DataParallel(auto, fsdp=mode)  # type: ignore[arg-type]
+        with refuses(ValueError, match="fsdp='microbatch'.*use fsdp='step'"):
+            jaxaccum.value_and_grad(mse_loss, num_microbatches=4, **NOISE,
+                                    mesh=fsdp)(params, batch)
 
 
 def test_nnx_steps_return_the_noise_scale():

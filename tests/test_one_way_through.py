@@ -84,3 +84,22 @@ def test_the_library_never_tests_an_entry_points_name():
                                                       for op in node.ops)
                     and any("entry" in ast.unparse(c) for c in node.comparators)):
                 pytest.fail(f"{path.relative_to(PACKAGE)}:{node.lineno} {ast.unparse(node)}")
+
+
+def test_the_records_a_call_passes_down_are_frozen():
+    """What a call decides once (the options, the accumulation of the loss, the placement)
+    is a frozen record: nothing along the way can complete or change it."""
+    import dataclasses
+
+    import jax
+
+    from jaxaccum import _arguments, _placement
+
+    options = jaxaccum.Options(num_microbatches=2)
+    mesh = jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    records = [options, jaxaccum.DataParallel(mesh), _arguments.make("x", len, options),
+               _placement.for_call(jaxaccum.Options(num_microbatches=2, mesh=mesh))]
+    for record in records:
+        field = dataclasses.fields(record)[0].name
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(record, field, None)
