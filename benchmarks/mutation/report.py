@@ -87,6 +87,8 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results/mutation.json")
     parser.add_argument("--equivalent", default=None)
     parser.add_argument("--commit", default=None)
+    parser.add_argument("--sample", required=True,
+                        help="how the mutants were drawn: the sample.py command line")
     parser.add_argument("--older", nargs=3, action="append", default=[],
                         metavar=("SESSION", "LOG", "COMMIT"),
                         help="a run at an earlier commit whose modules count only where the "
@@ -141,10 +143,9 @@ def main() -> None:
         "tool": "cosmic-ray 8.7 through benchmarks/mutation/cr.py (built-in operators and "
                 "this project's, benchmarks/mutation/operators.py; "
                 "benchmarks/mutation/cosmic-ray.toml)",
-        "sample": "benchmarks/mutation/sample.py --size 300 --seed 20261201 (annotations left "
-                  "out; proportional per module, at least 20, each of this project's operators "
-                  "at least once per module), shards 0/2 and 1/2",
-        "kill": "an assertion failed in any test of the module's selection (verdict.py); "
+        "sample": args.sample,
+        "kill": "an assertion failed in any test of the module's selection (verdict.py; "
+                "JAXACCUM_MUTATION_MAX_CRASHES=0 runs all of it); "
                 "crashed = other exceptions only; stillborn = `mypy jaxaccum` (run by CI) "
                 "rejects the mutant",
         "modules_measured_at": dict(sorted(origin.items())),
