@@ -30,7 +30,7 @@ import optax  # noqa: E402
 from _common import LR, Model, loss, machine, save, split  # noqa: E402
 
 import jaxaccum  # noqa: E402
-from jaxaccum._hlo import collective_counts  # noqa: E402
+from jaxaccum._xla.hlo import collective_counts  # noqa: E402
 
 MODEL = Model("gist MLP 784-100-10, global batch 512", (784, 100, 10), 512)
 

@@ -53,7 +53,7 @@ from model_zoo import (
 )
 
 import jaxaccum
-from jaxaccum import _hlo
+from jaxaccum._xla import hlo as _hlo
 
 CNN = "CNN (2 conv + BatchNorm eval), 28x28x1, batch 256"
 

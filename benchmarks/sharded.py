@@ -29,7 +29,7 @@ as ``train_step`` does. On Explicit meshes the model writes its contractions wit
 ``out_sharding=`` and the non-jaxaccum ways gather FSDP kernels themselves (``jax.reshard``).
 
 For each case: the collectives *executed per optimizer step* from the compiled HLO
-(``jaxaccum._hlo``; an op in a loop body runs k times, there being no inner loop in this
+(``jaxaccum._xla.hlo``; an op in a loop body runs k times, there being no inner loop in this
 model; a per-call program runs k times), counted and summed (result bytes per device) by op
 and by the mesh axes they run over (read from the replica groups: ``data`` = only data axes,
 ``other`` = only non-data axes, e.g. the TP ``model`` axis); ``memory_analysis()`` temp and
@@ -69,7 +69,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxaccum
-from jaxaccum import _hlo
+from jaxaccum._xla import hlo as _hlo
 
 SIZES = (784, 2048, 10)
 BATCH = 512

@@ -10,8 +10,9 @@ from typing import Any, NamedTuple, Unpack
 import jax
 import numpy as np
 
-from jaxaccum import _hlo, _options, _train_step, _value_and_grad
+from jaxaccum import _options, _train_step, _value_and_grad
 from jaxaccum._options import OptionsDict
+from jaxaccum._xla import hlo as _hlo
 
 EPS32 = float(np.finfo(np.float32).eps)
 # Accumulation reorders float32 sums; its rounding error is of the order of the full batch's own

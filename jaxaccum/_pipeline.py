@@ -16,10 +16,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxaccum import _arguments, _conv_layout, _microbatches, _noise, _reductions, _validation
+from jaxaccum import _arguments, _microbatches, _noise, _reductions, _validation
 from jaxaccum._arguments import Accumulation
 from jaxaccum._placement.base import LeafOps, Placement
 from jaxaccum._records import Result, Shapes, Sums
+from jaxaccum._xla import conv_layout as _conv_layout
 
 # --- split --------------------------------------------------------------------------------------
 

@@ -1,7 +1,7 @@
 """Convolutions inside the accumulation loop run in XLA:CPU's fast (canonical) layout, exactly.
 
 XLA:CPU canonicalises convolution layouts only in the entry computation; jaxaccum rewrites the
-micro-step's convolutions itself (``jaxaccum._conv_layout``). These tests pin that (1) the
+micro-step's convolutions itself (``jaxaccum._xla.conv_layout``). These tests pin that (1) the
 rewrite computes exactly the same convolution for every dimension order, stride, dilation and
 grouping (integer-valued data: every sum is exact in float32, so equality is the criterion), (2)
 a compiled accumulation step has only canonical convolutions in its loop, (3) a model with
@@ -21,7 +21,8 @@ import pytest
 from conftest import assert_within_rounding, to_float64
 
 import jaxaccum
-from jaxaccum import _conv_layout, _hlo
+from jaxaccum._xla import conv_layout as _conv_layout
+from jaxaccum._xla import hlo as _hlo
 
 CANONICAL = {3: "b0f_0io->b0f", 4: "b01f_01io->b01f", 5: "b012f_012io->b012f"}
 

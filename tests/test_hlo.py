@@ -1,8 +1,8 @@
-"""jaxaccum._hlo.collective_counts on a small HLO module text."""
+"""jaxaccum._xla.hlo.collective_counts on a small HLO module text."""
 
 from __future__ import annotations
 
-from jaxaccum._hlo import collective_counts
+from jaxaccum._xla.hlo import collective_counts
 
 HLO = """
 HloModule m

@@ -12,11 +12,12 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jaxaccum import _reduced, _reductions, _specs
+from jaxaccum import _reductions, _specs
 from jaxaccum._arguments import Accumulation
 from jaxaccum._placement import base
 from jaxaccum._placement._mesh import DataAxes, gather_inside
 from jaxaccum._records import Result, Shapes, Sums
+from jaxaccum._xla import reduced as _reduced
 
 
 class Cast(NamedTuple):
@@ -26,7 +27,7 @@ class Cast(NamedTuple):
       leaves: ``"all"``, ``"kernels"`` (ndim >= 2) or ``"none"`` (their gradients are then
         reduced by the partitioner in every micro-batch).
       resolve: re-evaluate ``fun`` so that reduced parameters meet batch-sharded activations
-        (:func:`jaxaccum._reduced.reduced_compatible`).
+        (:func:`jaxaccum._xla.reduced.reduced_compatible`).
     """
 
     leaves: str

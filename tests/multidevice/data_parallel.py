@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 import jaxaccum
-from jaxaccum import _hlo
+from jaxaccum._xla import hlo as _hlo
 
 from .common import accumulation_options, emit, hlo_text
 

@@ -16,7 +16,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxaccum
-from jaxaccum import _hlo
+from jaxaccum._xla import hlo as _hlo
 
 from .common import emit
 

@@ -14,7 +14,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxaccum
-from jaxaccum import _hlo
+from jaxaccum._xla import hlo as _hlo
 from jaxaccum.contrastive import clip_loss, pairwise_logsumexp, pairwise_sum, siglip_loss
 
 from .common import emit, hlo_text, memory

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core as jex
 
-from jaxaccum import _jaxpr
+from jaxaccum._xla import jaxpr as _jaxpr
 
 _CONV = jex.primitives.conv_general_dilated_p
 

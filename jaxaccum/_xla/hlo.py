@@ -178,7 +178,7 @@ def convolutions(hlo: str) -> list[tuple[str, bool]]:
     """Every convolution in an HLO module's text: ``(dim_labels, inside a loop body)``.
 
     XLA:CPU runs a convolution in a fast library only with the labels ``b01f_01io->b01f``
-    (NHWC x HWIO, any number of spatial dimensions); see :mod:`jaxaccum._conv_layout`.
+    (NHWC x HWIO, any number of spatial dimensions); see :mod:`jaxaccum._xla.conv_layout`.
     """
     comps = computations(hlo)
     in_loop = _loop_computations(comps)

@@ -1,8 +1,8 @@
 """Re-evaluating a function's jaxpr equation by equation, with a rule for some equations.
 
 Two rewrites that XLA or JAX do not do for the micro-step use it: canonical convolution
-layouts for XLA:CPU (:mod:`jaxaccum._conv_layout`) and, on Explicit meshes, a bias added to
-a batch-sharded activation with its parameter kept ``reduced`` (:mod:`jaxaccum._reduced`).
+layouts for XLA:CPU (:mod:`jaxaccum._xla.conv_layout`) and, on Explicit meshes, a bias added to
+a batch-sharded activation with its parameter kept ``reduced`` (:mod:`jaxaccum._xla.reduced`).
 Equations the rule leaves alone are bound as they are, so a function the rule never touches
 computes exactly what it did.
 """

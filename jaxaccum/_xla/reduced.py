@@ -19,7 +19,8 @@ from jax.extend import core as jex
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxaccum import _jaxpr, _specs
+from jaxaccum import _specs
+from jaxaccum._xla import jaxpr as _jaxpr
 
 
 def jax_refuses_reduced(error: BaseException) -> bool:
