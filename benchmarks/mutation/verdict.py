@@ -66,9 +66,9 @@ TESTS = {
                             "test_noise_scale_refuses_explicit_axes_and_per_microbatch_fsdp",
                             *MESH_PARITY],
     # the reference model does not cover the pair losses, Grain or MultiSteps: their own tests
-    "jaxaccum/contrastive.py": [*PAIR, *PRECISION],
-    "jaxaccum/_tiles.py": [*PAIR, *PRECISION],
-    "jaxaccum/_ring.py": [*PAIR, *PRECISION],
+    "jaxaccum/contrastive/__init__.py": [*PAIR, *PRECISION],
+    "jaxaccum/contrastive/_tiles.py": [*PAIR, *PRECISION],
+    "jaxaccum/contrastive/_ring.py": [*PAIR, *PRECISION],
     "jaxaccum/grain.py": ["tests/test_grain.py"],
     "jaxaccum/_pipeline.py": [*REFERENCE, "tests/test_carry.py", *MESH, *PRECISION, *MESH_PARITY],
     "jaxaccum/_multi_steps.py": ["tests/test_multi_steps.py", *PRECISION],
@@ -80,8 +80,8 @@ for _module in ("jaxaccum/_reductions.py", "jaxaccum/_microbatches.py", "jaxaccu
     TESTS[_module] += MESH_PARITY  # every option on a mesh, the paths only taken there
 # seconds: about 4 times what the module's tests take unmutated on 2 busy cores
 # (the pair losses' tests: 1,240 s unmutated on the 2 busy cores, 280 s of CPU)
-TIMEOUT = {"jaxaccum/packing.py": 420, "jaxaccum/contrastive.py": 1500,
-           "jaxaccum/_tiles.py": 1500, "jaxaccum/_ring.py": 1500}
+TIMEOUT = {"jaxaccum/packing.py": 420, "jaxaccum/contrastive/__init__.py": 1500,
+           "jaxaccum/contrastive/_tiles.py": 1500, "jaxaccum/contrastive/_ring.py": 1500}
 
 
 # One compilation cache for every mutant of a run (tests/conftest.py makes one per session

@@ -55,7 +55,7 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
-from jaxaccum import _ring, _tiles
+from jaxaccum.contrastive import _ring, _tiles
 
 __all__ = ["clip_loss", "pairwise_logsumexp", "pairwise_sum", "siglip_loss"]
 

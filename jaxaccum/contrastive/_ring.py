@@ -3,7 +3,7 @@
 Inside ``jax.shard_map`` each device holds its own rows of both sides. The other side's
 blocks travel around the ring (``lax.ppermute`` to the next device, N - 1 hops and one home):
 at each step a device scores its rows against the block it holds, tile by tile
-(:mod:`jaxaccum._tiles`), and the block carries its own running statistics (the columns'
+(:mod:`jaxaccum.contrastive._tiles`), and the block carries its own running statistics (the columns'
 log-sum-exp in the forward pass; the columns' cotangent in the backward pass) until it is home
 again. No device holds more than its rows and one visiting block of the representations, and
 no ``B x B`` array exists anywhere. The backward pass is a second ring (a custom VJP).
@@ -18,8 +18,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxaccum import _tiles
-from jaxaccum._tiles import Score, Term
+from jaxaccum.contrastive import _tiles
+from jaxaccum.contrastive._tiles import Score, Term
 
 
 def _hop(axis: str, tree: Any) -> Any:
@@ -49,7 +49,7 @@ def _f32_zeros(tree: Any) -> Any:
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
 def logsumexp(score: Score, tile: int, axis: str, params: Any, a: Any, b: Any, wa: jax.Array,
               wb: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """:func:`jaxaccum._tiles.logsumexp` (both directions) over the whole axis: this device's
+    """:func:`._tiles.logsumexp` (both directions) over the whole axis: this device's
     rows of ``a`` against every device's ``b`` (``rows``), and this device's columns of ``b``
     against every device's ``a`` (``cols``)."""
     return _forward(score, tile, axis, params, a, b, wa, wb)[0]
@@ -110,7 +110,7 @@ logsumexp.defvjp(_forward, _backward)
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
 def total(term: Term, tile: int, axis: str, params: Any, a: Any, b: Any, wa: jax.Array,
           wb: jax.Array) -> jax.Array:
-    """:func:`jaxaccum._tiles.total` over every pair of the whole axis (every device's rows
+    """:func:`._tiles.total` over every pair of the whole axis (every device's rows
     against every device's columns), the same on every device. The term's ``positive``
     compares global indices: row ``i`` of device ``d`` is ``d * n_a + i``."""
     return _total_forward(term, tile, axis, params, a, b, wa, wb)[0]
