@@ -9,6 +9,7 @@ point the user called in every error. What a front end adds of its own (``argnum
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import difflib
 from collections.abc import Mapping
@@ -132,6 +133,12 @@ class DataParallel:
         return all(types[a] == jax.sharding.AxisType.Explicit for a in self.axes)
 
 
+# (the entry point building Options, named in its errors; whether it takes a runtime count:
+# the coupled losses do not, so their messages do not suggest one). Set by parse only.
+_CALLER: contextvars.ContextVar[tuple[str, bool]] = contextvars.ContextVar(
+    "jaxaccum_options_caller", default=("jaxaccum.Options", True))
+
+
 @dataclasses.dataclass(frozen=True)
 class Options:
     """The accumulation options every front end shares (pass them as keywords).
@@ -204,13 +211,10 @@ class Options:
     mesh: jax.sharding.Mesh | DataParallel | None = None
     noise_scale: bool = False
     unroll: int | bool = 1
-    # the entry point the options were given to, named in every error, and whether it takes
-    # a runtime count (the coupled losses do not: their messages do not suggest one)
-    entry: dataclasses.InitVar[str] = "jaxaccum.Options"
-    runtime_count: dataclasses.InitVar[bool] = True
-
-    def __post_init__(self, entry: str, runtime_count: bool) -> None:
-        """Every option's type and value, checked once; errors name ``entry``."""
+    def __post_init__(self) -> None:
+        """Every option's type and value, checked once; errors name the entry point
+        :func:`parse` was called for (``jaxaccum.Options`` when built directly)."""
+        entry, runtime_count = _CALLER.get()
         _validation.exactly_one_count(self.num_microbatches, self.microbatch_size, entry,
                                       self.max_microbatches, runtime_count)
         check_bool(entry, "weighted", self.weighted)
@@ -307,4 +311,10 @@ def parse(entry: str, options: Mapping[str, Any], *, runtime_count: bool = True)
             f"{entry}: unknown option {name}=; {hint}check the name against the options "
             f"{sorted(fields)} (see jaxaccum.Options)"
         )
-    return Options(**options, entry=entry, runtime_count=runtime_count)
+    # the entry's name is added at this boundary, not threaded through Options' fields (which
+    # are the options, all of them public): __post_init__ reads it for its messages
+    token = _CALLER.set((entry, runtime_count))
+    try:
+        return Options(**options)
+    finally:
+        _CALLER.reset(token)
