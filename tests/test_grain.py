@@ -314,8 +314,10 @@ def test_a_packed_batch_becomes_its_own_microbatches():
     for a, b in zip(mb.data, expected.data, strict=True):
         np.testing.assert_array_equal(a, b)
     with pytest.raises(ValueError, match=r"to_microbatches: rows and max_microbatches are a "
-                                         r"Packed batch's own"):
+                                         r"Packed batch's own \(2 and 3\)"):
         to_microbatches(packed, rows=2, max_microbatches=3)
+    # padding is token 0 unless pad_id says otherwise, as in jaxaccum.packing
+    assert (packed.segment_ids == 0).any() and not packed.tokens[packed.segment_ids == 0].any()
 
 
 def test_to_microbatches_refuses_what_it_cannot_lay_out():
@@ -326,6 +328,10 @@ def test_to_microbatches_refuses_what_it_cannot_lay_out():
     with pytest.raises(ValueError, match=r"5 rows, more than .* 2 \* 2: raise max_microbatches "
                                          r"to at least 3"):
         to_microbatches(batch, rows=2, max_microbatches=2)
+    seven = {k: np.ones((7, 4), np.int32) for k in batch}  # 3 * 2 < 7 rows (< 3 ** 2)
+    with pytest.raises(ValueError, match=r"7 rows, more than .* 3 \* 2: raise max_microbatches "
+                                         r"to at least 4"):
+        to_microbatches(seven, rows=2, max_microbatches=3)
     with pytest.raises(ValueError, match=r"has no \['weights'\]"):
         to_microbatches(batch, rows=1, max_microbatches=5, fields=("tokens", "weights"))
     with pytest.raises(ValueError, match=r"all of one shape"):

@@ -44,7 +44,8 @@ TESTS = {
                                "tests/test_frontends.py", "tests/test_pipeline_placement.py"],
     "jaxaccum/_options.py": [*REFERENCE, *MESH, "tests/test_carry.py", "tests/test_accumulate.py",
                              "tests/test_frontends.py", "tests/test_data_parallel.py"],
-    "jaxaccum/_coupled.py": [*REFERENCE, "tests/test_coupled.py", "tests/test_coupled_mesh.py"],
+    "jaxaccum/_coupled.py": [*REFERENCE, "tests/test_coupled.py", "tests/test_coupled_mesh.py",
+                             "tests/test_error_messages.py"],
     "jaxaccum/_check.py": ["tests/test_check.py", "tests/test_contract.py", "tests/test_domains.py",
                            "tests/test_coupled_mesh.py"],
     # packing's domain tests first: a few seconds, and a refusal of valid input is an
