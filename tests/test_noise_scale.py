@@ -229,3 +229,19 @@ def test_nnx_steps_return_the_noise_scale():
     from_step, noise = step_info.noise_scale, noise.noise_scale
     assert float(from_step.trace) == pytest.approx(float(noise.trace), rel=1e-5)
     assert float(noise.big_batch) == 32.0 and float(noise.small_batch) == 8.0
+
+
+def test_squared_norms_of_bfloat16_gradients_are_float32_sums():
+    """The precision contract: every squared norm is summed in float32, whatever the
+    gradient's dtype. 4115 bfloat16 values of magnitude 1 + 2**-7 (exact in bfloat16): the
+    sum of their squares is within float32's worst-case rounding (n eps of the sum, about 2)
+    of float64's; a sum returned in bfloat16 is rounded to a spacing of 32 past 4096 (here
+    by 15.5)."""
+    from jaxaccum import _noise
+
+    value = 1 + 2.0**-7
+    g = {"w": jnp.full((4112,), value, jnp.bfloat16), "b": jnp.full((3,), -value, jnp.bfloat16)}
+    got = jax.jit(_noise.squared_norm)(g)
+    exact = 4115 * value**2
+    assert got.dtype == jnp.float32
+    assert abs(float(got) - exact) <= 4115 * np.finfo(np.float32).eps * exact, (float(got), exact)
