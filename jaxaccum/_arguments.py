@@ -153,6 +153,7 @@ def split_output(acc: Accumulation, out: Any) -> tuple[Any, Any, Any, tuple[Any,
         out, weight = pair(out, "its output" if not has_aux else "its loss part")
     return out, weight, aux, new_carry
 
+
 def _split_carry(acc: Accumulation, out: Any) -> tuple[Any, tuple[Any, ...]]:
     if not acc.carry:
         return out, ()

@@ -201,6 +201,7 @@ def accumulate(
 
     def counted(state: tuple[Sums, jax.Array, list[Any]], _: None) -> tuple[Any, Any]:
         sums, i, bufs = state  # the index is the loop's own counter
+        # (body's call, written out: one frame fewer between the step and the loss)
         sums, ys = micro_step(acc, acc.with_batch(args, take(acc, views, i)), sums, ops, out)
         if any(in_order):  # the in-order leaves go to their buffers, the scan stacks the rest
             bufs = [None if b is None else jax.lax.dynamic_update_index_in_dim(b, y, i, 1)
