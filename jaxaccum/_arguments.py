@@ -8,7 +8,7 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-from jaxaccum import _options, _validation
+from jaxaccum import _options, _pytrees, _validation
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,18 +25,12 @@ class Accumulation:
       options: the shared :class:`jaxaccum.Options`.
       pin_in_loop: tie the differentiated arguments to the loop carry, so that work on them
         inside ``fun`` (a per-micro-batch all-gather, ZeRO-3) is not hoisted out of the loop.
-      stacked: the batch arguments are stacks ``(K, m, ...)`` of micro-batches
-        (``max_microbatches``): micro-batch ``i`` is ``data[i]``, read where it lies.
       state_name: how messages name the carried arguments, for a front end that carries
         state of its own (NNX: ``"the module's state"``); None: by ``carry_argnums``.
       takes_weights: the entry point takes ``weighted=True`` (the coupled losses do not),
         so messages may suggest it.
       state_rule: said before a carried value that came back with another structure, shape
         or dtype (what the front end's loss function must do); None: nothing.
-      divide_later: the result's ``grads`` are the reduced sums, not yet divided by the total
-        weight: a train step divides them inside its update (:func:`jaxaccum._pipeline.divide`),
-        where the division fuses into the optimizer even under the zero-weight rule's
-        ``lax.cond`` (whose operands XLA materialises).
     """
 
     fun: Callable[..., Any]
@@ -47,11 +41,15 @@ class Accumulation:
     carry: tuple[int, ...]
     options: _options.Options
     pin_in_loop: bool = False
-    stacked: bool = False
     state_name: str | None = None
     state_rule: str | None = None
     takes_weights: bool = True
-    divide_later: bool = False
+
+    @property
+    def stacked(self) -> bool:
+        """The batch arguments are stacks ``(K, m, ...)`` of micro-batches
+        (``max_microbatches``): micro-batch ``i`` is ``data[i]``, read where it lies."""
+        return self.options.max_microbatches is not None
 
     @property
     def microbatch_axis(self) -> int:
@@ -106,6 +104,27 @@ class Accumulation:
         if not kwargs:
             return self
         return self.with_fun(functools.partial(self.fun, **kwargs))
+
+
+def filtered(acc: Accumulation, args: tuple[Any, ...]) -> tuple[Accumulation, tuple[Any, ...]]:
+    """Differentiated arguments that are Equinox modules (or hold leaves that are no arrays)
+    are split as ``eqx.partition(tree, eqx.is_inexact_array)``: the inexact arrays are
+    differentiated, everything else is passed through; their gradients hold None there, as
+    with ``eqx.filter_value_and_grad``."""
+    trees = [args[i] for i in acc.diff]
+    for i, tree in zip(acc.diff, trees, strict=True):
+        _pytrees.check_parameters(acc.entry, tree, f"argument {i} (differentiated)")
+    if not any(map(_pytrees.needs_filter, trees)):
+        return acc, args
+    parts = [_pytrees.partition(t) for t in trees]
+    fun = acc.fun
+
+    def with_static(*a: Any) -> Any:
+        whole = [_pytrees.combine(a[i], static) for i, (_, static) in zip(acc.diff, parts,
+                                                                          strict=True)]
+        return fun(*replace(a, acc.diff, whole))
+
+    return acc.with_fun(with_static), replace(args, acc.diff, [p for p, _ in parts])
 
 
 def replace(args: tuple[Any, ...], at: tuple[int, ...], values: Any) -> tuple[Any, ...]:

@@ -63,8 +63,8 @@ def _forward(entry: str, fun: Callable[..., Any], opts: _options.Options, how: A
     def forward(params: Any, batch: Any, *rest: Any) -> Any:
         args = (jnp.zeros((), jnp.float32), params, batch, *rest)
         if dp is None or not dp.explicit:
-            return _value_and_grad.call(acc, args).aux
-        return _pipeline.run(acc, args, _placement.AutoMesh(dp)).aux
+            return _pipeline.run(acc, args).aux
+        return _pipeline.run(acc, args, placement=_placement.AutoMesh(dp)).aux
 
     return forward
 
@@ -150,7 +150,8 @@ def coupled_value_and_grad(
     def accumulated(params: Any, batch: Any, *rest: Any) -> tuple[Any, ...]:
         res = result(params, batch, *rest)
         value = (res.loss, res.aux) if opts.has_aux else res.loss
-        return (value, res.grads, step_info(res)) if return_info else (value, res.grads)
+        grads = res.mean_grads()
+        return (value, grads, step_info(res)) if return_info else (value, grads)
 
     return accumulated
 
@@ -170,8 +171,8 @@ def _coupled(entry: str, encode: Callable[..., Any], loss: Callable[..., Any],
             f"batch and returned as it is); got {has_aux!r}"
         )
     opts = _options.parse(entry, options, runtime_count=False)
-    pullback = dataclasses.replace(_arguments.make(entry, encode, dataclasses.replace(
-        opts, has_aux=False, weighted=True), takes_weights=False), divide_later=True)
+    pullback = _arguments.make(entry, encode, dataclasses.replace(
+        opts, has_aux=False, weighted=True), takes_weights=False)
     forward = _forward(entry, encode, opts, "concat", takes_weights=False)
 
     def result(params: Any, batch: Any, *rest: Any) -> Result:
@@ -186,13 +187,15 @@ def _coupled(entry: str, encode: Callable[..., Any], loss: Callable[..., Any],
                                                       strict=True)), jnp.zeros(()))
             return dot, jnp.ones((), jnp.float32)
 
-        pull = _value_and_grad.call(pullback.with_fun(surrogate), (params, (batch, cotangents),
-                                                                   *rest))
-        grads = jax.tree.map(lambda d, g: (d + g).astype(d.dtype), direct, pull.grads)
+        pull = _pipeline.run(pullback.with_fun(surrogate), (params, (batch, cotangents), *rest))
+        # the pulled-back sum is the whole gradient already (weight 1 per micro-batch, never
+        # divided): its divisor is 1; added to the direct part in the accumulator's dtype
+        grads = jax.tree.map(lambda d, g: d.astype(g.dtype) + g, direct, pull.grads)
         value, aux = value if has_aux else (value, None)
         count = pull.num_microbatches
         return Result(value, grads, aux, jnp.asarray(count, jnp.float32),
-                      jnp.zeros((), jnp.int32), count)
+                      jnp.zeros((), jnp.int32), count, like=pull.like,
+                      divisor=jnp.ones((), jnp.float32))
 
     return opts, result
 
@@ -269,7 +272,7 @@ def _statistics_first(entry: str, stats: Callable[..., Any], fun: Callable[..., 
 
     def result(params: Any, batch: Any, *rest: Any) -> Result:
         totals = forward(params, batch, *rest)
-        return _value_and_grad.call(acc, (params, batch, totals, *rest))
+        return _pipeline.run(acc, (params, batch, totals, *rest))
 
     return acc, result
 

@@ -10,13 +10,13 @@ operations; what differs between front ends is only what they add around :func:`
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from jaxaccum import _arguments, _microbatches, _noise, _reductions, _validation
+from jaxaccum import _arguments, _microbatches, _noise, _placement, _reductions, _validation
 from jaxaccum._arguments import Accumulation
 from jaxaccum._placement.base import LeafOps, Placement
 from jaxaccum._records import Result, Shapes, Sums
@@ -59,7 +59,9 @@ def shapes(acc: Accumulation, args: tuple[Any, ...], views: tuple[Any, ...]) -> 
     def first(v: tuple[Any, ...]) -> Any:  # indexing inside keeps sharding types
         return acc.fun(*acc.with_batch(args, take(acc, v, 0)))
 
-    loss, weight, aux, new_carry = _arguments.split_output(acc, jax.eval_shape(first, views))
+    # one trace gives the shapes and whether fun holds a convolution (decided once, here)
+    closed, shape = jax.make_jaxpr(first, return_shape=True)(views)
+    loss, weight, aux, new_carry = _arguments.split_output(acc, shape)
     _validation.scalar(loss, f"{acc.entry}: the loss returned by the loss function",
                        floating=True)
     if acc.options.weighted:
@@ -73,7 +75,7 @@ def shapes(acc: Accumulation, args: tuple[Any, ...], views: tuple[Any, ...]) -> 
         plan = _reductions.aux_plan(acc.entry, acc.options.aux_spec, aux)
         size = jax.tree.leaves(views)[0].shape[1 - acc.microbatch_axis]
         _reductions.check_concat(acc.entry, plan, aux, size)
-    return Shapes(loss, aux, plan)
+    return Shapes(loss, aux, plan, _conv_layout.has_conv(closed))
 
 
 # --- micro-step ---------------------------------------------------------------------------------
@@ -98,25 +100,27 @@ def init_sums(acc: Accumulation, args: tuple[Any, ...], out: Shapes, ops: LeafOp
 
 
 def micro_step(
-    acc: Accumulation, args: tuple[Any, ...], sums: Sums, ops: LeafOps, out: Shapes,
-) -> tuple[Sums, Any]:
-    """``fun`` and its gradient on one micro-batch (``args`` holds it), added into ``sums``.
+    acc: Accumulation, args: tuple[Any, ...], views: tuple[Any, ...], ops: LeafOps, out: Shapes,
+    i: Any, state: tuple[Sums, list[Any]],
+) -> tuple[Sums, list[Any]]:
+    """``fun`` and its gradient on micro-batch ``i`` (gathered from the views here), added
+    into the sums: the loop's body (``state``: the sums and the buffers of the aux leaves
+    kept per micro-batch, :func:`buffers`).
 
     The carried arguments come from ``sums.carry`` and their new values go back into it (a
-    skipped micro-batch's are dropped). Returns the new sums and the aux leaves the scan stacks.
-    """
+    skipped micro-batch's are dropped)."""
+    sums, bufs = state
     opts = acc.options
 
     def with_weight(*a: Any) -> tuple[jax.Array, tuple[Any, Any, Any]]:
         loss, weight, aux, new_carry = _arguments.split_output(acc, acc.fun(*a))
         return loss, (weight, aux, new_carry)
 
-    # XLA:CPU canonicalises convolution layouts only in the entry computation: in this loop
-    # body autodiff's gradient convolutions would run as naive loops (see _conv_layout).
-    grad_fun = _conv_layout.canonical_convs(
-        jax.value_and_grad(with_weight, argnums=acc.argnums, has_aux=True)
-    )
-    args = acc.with_carry(args, sums.carry)
+    grad_fun = jax.value_and_grad(with_weight, argnums=acc.argnums, has_aux=True)
+    if out.convs:  # XLA:CPU canonicalises convolution layouts only in the entry computation:
+        # in this loop body autodiff's gradient convolutions would run as naive loops
+        grad_fun = _conv_layout.canonical_convs(grad_fun)
+    args = acc.with_carry(acc.with_batch(args, take(acc, views, i)), sums.carry)
     if acc.pin_in_loop:
         pinned, sums = jax.lax.optimization_barrier((acc.differentiated(args), sums))
         args = acc.replace_differentiated(args, pinned)
@@ -144,16 +148,18 @@ def micro_step(
             grads, w if weight is not None else _microbatch_size(acc, args), bad),
     )
     if opts.aux_spec is None:
-        return new, None
-    plan = out.aux_plan
-    leaves = [jnp.asarray(x) for x in jax.tree.leaves(aux)]
-    stacked = [x if r.stacked else None for r, x in zip(plan, leaves, strict=True)]
+        return new, bufs
+    plan, leaves = out.aux_plan, [jnp.asarray(x) for x in jax.tree.leaves(aux)]
+    # kept per micro-batch: at [i] of its buffer, or at [:, i] (a "concat" leaf of strided
+    # micro-batches, written in batch order as the loop goes: no transposed copy after it)
+    bufs = [None if b is None else jax.lax.dynamic_update_index_in_dim(b, x, i, axis)
+            for b, x, axis in zip(bufs, leaves, buffer_axes(acc, out), strict=True)]
     accs = [a if r.stacked else r.update(a, x, w)
             for r, a, x in zip(plan, sums.aux, leaves, strict=True)]
     if bad is not None:  # a skipped micro-batch adds nothing to the reduced aux either
         accs = [new_acc if r.stacked else jnp.where(bad, old, new_acc)
                 for r, old, new_acc in zip(plan, sums.aux, accs, strict=True)]
-    return new._replace(aux=accs), stacked
+    return new._replace(aux=accs), bufs
 
 
 def _microbatch_size(acc: Accumulation, args: tuple[Any, ...]) -> jax.Array:
@@ -164,61 +170,29 @@ def _microbatch_size(acc: Accumulation, args: tuple[Any, ...]) -> jax.Array:
 # --- accumulate ---------------------------------------------------------------------------------
 
 
-def accumulate(
-    acc: Accumulation, args: tuple[Any, ...], views: tuple[Any, ...], start: Sums, k: int,
-    ops: LeafOps, out: Shapes, count: jax.Array | None = None,
-) -> tuple[Sums, Any]:
-    """Runs :func:`micro_step` over the ``k`` micro-batches in one ``lax.scan`` (rolled unless
-    the ``unroll`` option says otherwise; each micro-batch gathered from the views inside the
-    loop); no scan when ``k == 1``. With a traced ``count`` (``max_microbatches``) only the
-    first ``count`` run, in a loop whose trip count is ``count``; the values the scan would
-    stack go into buffers of length ``k`` (zeros past ``count``)."""
+def buffers(acc: Accumulation, out: Shapes, k: int) -> list[Any]:
+    """Per aux leaf the loop keeps per micro-batch (``r.stacked``), its buffer of zeros (past
+    a runtime count they stay zeros): ``(k, ...)``, or ``(m, k, ...)`` for a "concat" leaf of
+    strided micro-batches (:func:`buffer_axes`); None for a reduced leaf."""
+    if acc.options.aux_spec is None:
+        return []
+    # (zeros_like keeps a sharding type: Explicit axes)
+    return [None if not r.stacked else
+            jnp.broadcast_to(jnp.zeros_like(s)[:, None], (s.shape[0], k, *s.shape[1:]))
+            if axis == 1 else jnp.broadcast_to(jnp.zeros_like(s)[None], (k, *s.shape))
+            for r, s, axis in zip(out.aux_plan, jax.tree.leaves(out.aux),
+                                  buffer_axes(acc, out), strict=True)]
 
-    def body(sums: Sums, i: Any) -> tuple[Sums, Any]:
-        return micro_step(acc, acc.with_batch(args, take(acc, views, i)), sums, ops, out)
 
-    if count is not None:
-        def step(i: Any, state: tuple[Sums, Any]) -> tuple[Sums, Any]:
-            sums, y = body(state[0], i)
-            return sums, jax.tree.map(
-                lambda buf, v: jax.lax.dynamic_update_index_in_dim(buf, v, i, 0), state[1], y)
-
-        shapes = jax.eval_shape(lambda s: body(s, 0)[1], start)
-        ys = jax.tree.map(lambda s: jnp.broadcast_to(jnp.zeros_like(s)[None], (k, *s.shape)),
-                          shapes)  # zeros_like keeps a sharding type (Explicit axes)
-        return jax.lax.fori_loop(0, count, step, (start, ys))  # type: ignore[no-any-return]
-    if k == 1:
-        sums, ys = body(start, 0)
-        return sums, jax.tree.map(lambda y: jnp.expand_dims(y, 0), ys)
-    # "concat" leaves of strided micro-batches are written in batch order as the loop goes
-    # (micro-batch i's values at [:, i]): no transposed copy of them after the loop
-    in_order = concat_in_order(acc, out)
-    bufs: list[Any] = [None] * len(in_order)
-    if any(in_order):
-        shapes = jax.eval_shape(lambda s: body(s, 0)[1], start)
-        bufs = [jnp.broadcast_to(jnp.zeros_like(s)[:, None], (s.shape[0], k, *s.shape[1:]))
-                if keep else None for keep, s in zip(in_order, shapes, strict=True)]
-
-    def counted(state: tuple[Sums, jax.Array, list[Any]], _: None) -> tuple[Any, Any]:
-        sums, i, bufs = state  # the index is the loop's own counter
-        # (body's call, written out: one frame fewer between the step and the loss)
-        sums, ys = micro_step(acc, acc.with_batch(args, take(acc, views, i)), sums, ops, out)
-        if any(in_order):  # the in-order leaves go to their buffers, the scan stacks the rest
-            bufs = [None if b is None else jax.lax.dynamic_update_index_in_dim(b, y, i, 1)
-                    for b, y in zip(bufs, ys, strict=True)]
-            ys = [y if b is None else None for b, y in zip(bufs, ys, strict=True)]
-        return (sums, i + 1, bufs), ys
-
-    (sums, _, bufs), ys = jax.lax.scan(counted, (start, jnp.zeros((), jnp.int32), bufs), None,
-                                       length=k, unroll=acc.options.unroll)
-    if any(in_order):
-        ys = [y if b is None else b for b, y in zip(bufs, ys, strict=True)]
-    return sums, ys
+def buffer_axes(acc: Accumulation, out: Shapes) -> list[int]:
+    """Per aux leaf, the axis of its buffer that counts micro-batches: 1 for a "concat"
+    leaf of strided micro-batches (written in batch order), else 0."""
+    return [1 if in_order else 0 for in_order in concat_in_order(acc, out)]
 
 
 def concat_in_order(acc: Accumulation, out: Shapes) -> list[bool]:
-    """Per aux leaf: a ``"concat"`` leaf of strided micro-batches in a loop of fixed length,
-    which :func:`accumulate` writes in batch order ``(m, k, ...)`` as it goes."""
+    """Per aux leaf: a ``"concat"`` leaf of strided micro-batches, which :func:`micro_step`
+    writes in batch order ``(m, k, ...)`` as the loop goes."""
     if acc.options.aux_spec is None:
         return []
     concat = _reductions.AUX_REDUCTIONS["concat"]
@@ -228,42 +202,28 @@ def concat_in_order(acc: Accumulation, out: Shapes) -> list[bool]:
 # --- finalize -----------------------------------------------------------------------------------
 
 
-def divide(acc: Accumulation, sums: Any, weight: jax.Array, like: Any) -> Any:
-    """The gradient: the reduced sums divided by the total weight (zeros for a total of 0
-    where it can be 0), in the dtypes of ``like`` (the differentiated arguments)."""
-    if acc.options.divides_safely:
-        grads = _reductions.safe_divide(sums, weight)
-    else:
-        grads = _reductions.divide(sums, weight)
-    return _reductions.cast_like(grads, like)
-
-
 def finalize(
-    acc: Accumulation, sums: Sums, ys: Any, args: tuple[Any, ...], out: Shapes, count: Any,
-    scanned: bool = False,
-) -> tuple[jax.Array, Any, Any]:
-    """Divides the (reduced) sums by the total weight once, casts the gradients to their
-    arguments' dtypes, and finishes the aux leaves (``count`` micro-batches evaluated, of
-    which the skipped ones are left out of every reduced aux; ``scanned``: the fixed-length
-    loop ran, which wrote :func:`concat_in_order`'s leaves in batch order)."""
+    acc: Accumulation, sums: Sums, bufs: list[Any], out: Shapes, count: Any,
+) -> tuple[jax.Array, Any]:
+    """The mean loss (the one scalar divided here, where its dtype is known) and the aux
+    leaves finished (``count`` micro-batches evaluated, of which the skipped ones are left
+    out of every reduced aux). The gradient stays a sum: :meth:`Result.mean_grads`."""
     if acc.options.divides_safely:
         loss = _reductions.safe_divide(sums.loss, sums.weight)
     else:
         loss = sums.loss / sums.weight
-    like = acc.differentiated(args)
-    grads = sums.grads if acc.divide_later else divide(acc, sums.grads, sums.weight, like)
     aux = None
     if acc.options.aux_spec is not None:
         plan = out.aux_plan
         kept = count - sums.skipped  # skipped micro-batches add nothing to a reduced aux
         concat = _reductions.AUX_REDUCTIONS["concat"]
-        in_order = concat_in_order(acc, out) if scanned else [False] * len(plan)
         leaves = [y if acc.stacked and r is concat  # a stack's own layout (K, m, ...)
-                  else y.reshape((-1, *y.shape[2:])) if written  # (m, k, ...): batch order
+                  else y.reshape((-1, *y.shape[2:])) if in_order  # (m, k, ...): batch order
                   else r.finalize(y if r.stacked else a, sums.weight, kept)
-                  for r, written, a, y in zip(plan, in_order, sums.aux, ys, strict=True)]
+                  for r, in_order, a, y in zip(plan, concat_in_order(acc, out), sums.aux, bufs,
+                                               strict=True)]
         aux = jax.tree.unflatten(jax.tree.structure(out.aux), leaves)
-    return loss.astype(out.loss.dtype), grads, aux
+    return loss.astype(out.loss.dtype), aux
 
 
 # --- the whole pipeline -------------------------------------------------------------------------
@@ -279,20 +239,36 @@ def per_device(
     with jax.named_scope("jaxaccum.split"):
         views = split(acc, args, k)
         out = shapes(acc, args, views)
-    start = init_sums(acc, args, out, ops)
+    state = init_sums(acc, args, out, ops), buffers(acc, out, k)
+    body = functools.partial(micro_step, acc, args, views, ops, out)  # (no frame of its own)
     with jax.named_scope("jaxaccum.accumulate"):
-        sums, ys = accumulate(acc, args, views, start, k, ops, out, count)
+        if count is not None:  # a runtime count: a loop of `count` trips
+            state = jax.lax.fori_loop(0, count, body, state)
+        elif k == 1:  # no loop
+            state = body(0, state)
+        else:  # (static bounds: a scan, rolled unless `unroll` says otherwise)
+            state = jax.lax.fori_loop(0, k, body, state, unroll=acc.options.unroll)
+    sums, bufs = state
     with jax.named_scope("jaxaccum.reduce"):
         sums = ops.reduce(sums, out)
     with jax.named_scope("jaxaccum.finalize"):
         total = ops.loops * (k if count is None else count)
-        loss, grads, aux = finalize(acc, sums, ys, args, out, total, count is None and k > 1)
-    return Result(loss, grads, aux, sums.weight, sums.skipped, total, sums.carry, sums.sq_norms,
-                  out.aux_plan)
+        loss, aux = finalize(acc, sums, bufs, out, total)
+    return Result(loss, sums.grads, aux, sums.weight, sums.skipped, total, sums.carry,
+                  sums.sq_norms, out.aux_plan, acc.differentiated(args),
+                  acc.options.divides_safely)
 
 
-def run(acc: Accumulation, args: tuple[Any, ...], placement: Placement) -> Result:
-    """The whole pipeline on positional ``args``, placed by ``placement``."""
+def run(acc: Accumulation, args: tuple[Any, ...], hints: Any = None,
+        placement: Placement | None = None) -> Result:
+    """The whole pipeline on positional ``args``: the gradient source every front end calls.
+
+    ``placement``: where it runs (default: the one ``acc.options`` names, built here);
+    ``hints``: argument shardings read before tracing (Auto meshes), else those of
+    ``DataParallel.param_shardings``."""
+    acc, args = _arguments.filtered(acc, args)
+    if placement is None:
+        placement = _placement.for_call(acc, args, hints)
     stacked = _microbatches.unstack(acc, args)
     _validation.floating_leaves(
         acc.differentiated(args), f"{acc.entry}: argnums",
@@ -302,7 +278,6 @@ def run(acc: Accumulation, args: tuple[Any, ...], placement: Placement) -> Resul
     opts = acc.options
     if stacked is not None:  # micro-batches of m examples, read where they lie
         args, k, count = stacked
-        acc = dataclasses.replace(acc, stacked=True)
         size = jax.tree.leaves(acc.batch(args))[0].shape[1]
         placement.local_batch_size(acc, size)  # m splits over the data-parallel devices
         res = placement.wrap(per_device)(acc, args, k, count)
@@ -319,9 +294,6 @@ def run(acc: Accumulation, args: tuple[Any, ...], placement: Placement) -> Resul
                 f"{placement.devices} device(s)"
             )
         res = placement.wrap(per_device)(acc, args, k, None)
-    if opts.noise_scale:
-        grads = res.grads
-        if acc.divide_later:
-            grads = divide(acc, grads, res.weight, acc.differentiated(args))
-        res = res._replace(noise=_noise.estimate(res.noise, grads))
+    if opts.noise_scale:  # |G|^2 of the float32 mean, before any cast to the parameters' dtype
+        res = res._replace(noise=_noise.estimate(res.noise, res.mean_grads(cast=False)))
     return res

@@ -1,5 +1,6 @@
-"""The records every front end shares: what the pipeline accumulates (:class:`Sums`), what it
-returns (:class:`Result`), and the one report every entry point gives (:class:`StepInfo`).
+"""The records every front end shares: what the pipeline accumulates (:class:`Sums`), what a
+gradient source returns (:class:`Result`), and the one report every entry point gives
+(:class:`StepInfo`).
 
 The contract: every step returns its loss and a :class:`StepInfo`; every ``value_and_grad``
 returns jax's ``(value, grads)`` and, with ``return_info=True``, ``(value, grads, info)``, the
@@ -12,6 +13,8 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+
+from jaxaccum import _reductions
 
 
 class Sums(NamedTuple):
@@ -39,11 +42,14 @@ class Sums(NamedTuple):
 
 
 class Result(NamedTuple):
-    """What :func:`run` returns, before a front end shapes it.
+    """What a gradient source returns (the pipeline, the coupled pass, statistics-first):
+    the gradient as an undivided sum, divided once where it is used (:meth:`mean_grads`).
 
     Attributes:
-      loss: the (weighted) mean loss over the batch, in the loss's dtype.
-      grads: its gradient, with the dtypes of the differentiated arguments.
+      loss: the (weighted) mean loss over the batch, in the loss's dtype (a scalar, divided
+        where its dtype is known).
+      grads: the sum of the micro-batch gradients (each times its weight), reduced over the
+        data axes, in the accumulator dtype: not yet divided by the total weight.
       aux: the aux value combined across micro-batches as ``has_aux`` says (None without).
       weight: float32 scalar, the total weight (unweighted: the micro-batches kept).
       skipped: int32 scalar, micro-batches left out by ``skip_nonfinite``.
@@ -54,6 +60,12 @@ class Result(NamedTuple):
         the reduced sum of the micro-batch gradients' squared norms).
       aux_plan: the aux leaves' reductions (:attr:`Shapes.aux_plan`), for a placement that
         combines the devices' aux values.
+      like: the differentiated arguments (as the loss function saw them): the gradient
+        comes back in their dtypes.
+      may_be_empty: the total weight can be 0 (``Options.divides_safely``): the mean is then
+        zeros.
+      divisor: what ``grads`` is divided by; None: ``weight`` (the coupled pass's sum is the
+        whole gradient already: its divisor is 1 while it reports its micro-batch count).
     """
 
     loss: jax.Array
@@ -65,6 +77,22 @@ class Result(NamedTuple):
     carry: Any = ()
     noise: Any = None
     aux_plan: Any = ()
+    like: Any = None
+    may_be_empty: bool = False
+    divisor: Any = None
+
+    def mean_grads(self, cast: bool = True) -> Any:
+        """The gradient: ``grads`` divided once by the total weight (zeros for a total of 0
+        where it can be 0), in the differentiated arguments' dtypes (``cast=False``: the
+        accumulator's).
+
+        A train step calls this inside its update, where the division fuses into the
+        optimizer even under the zero-weight rule's ``lax.cond`` (whose operands XLA
+        materialises): no gradient-sized buffer is written for the mean."""
+        total = self.weight if self.divisor is None else self.divisor
+        divide = _reductions.safe_divide if self.may_be_empty else _reductions.divide
+        grads = divide(self.grads, total)
+        return _reductions.cast_like(grads, self.like) if cast else grads
 
 
 class Shapes(NamedTuple):
@@ -76,11 +104,14 @@ class Shapes(NamedTuple):
       aux: the aux value's (None without aux).
       aux_plan: one :class:`jaxaccum._reductions.AuxReduction` per aux leaf, in flattened
         order (``[]`` without aux).
+      convs: ``fun`` holds a convolution (its gradient is then rewritten for XLA:CPU's loop
+        bodies: :func:`jaxaccum._xla.conv_layout.canonical_convs`).
     """
 
     loss: Any
     aux: Any
     aux_plan: Any = ()
+    convs: bool = False
 
 
 class StepInfo(NamedTuple):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any, Unpack
@@ -33,25 +32,30 @@ def _sharding_of(x: Any) -> Any:
     return sharding if isinstance(sharding, NamedSharding) else None
 
 
+# A gradient source: (arguments of the loss function, their shardings read before tracing or
+# None) -> the accumulated Result. The pipeline is one (jaxaccum._pipeline.run); the coupled
+# pass and statistics-first are others; a train step is written once over any of them.
+Source = Callable[[tuple[Any, ...], Any], Result]
+
+
 def apply_step(
     optimizer: optax.GradientTransformation,
     params: optax.Params,
     opt_state: optax.OptState,
     res: Result,
-    may_be_empty: bool,
     donated: bool = True,
-    finish: Callable[[Any], Any] = lambda grads: grads,
 ) -> tuple[optax.Params, optax.OptState]:
-    """One optimizer update on ``finish(res.grads)``; with zero total weight, params and state
-    come back unchanged."""
+    """One optimizer update on the mean gradient (divided inside the update, where it
+    fuses); with zero total weight, params and state come back unchanged."""
 
     def update(state: tuple[optax.Params, optax.OptState]) -> tuple[optax.Params, optax.OptState]:
         params, opt_state = state
-        updates, new_state = optimizer.update(finish(res.grads), opt_state, params)
+        updates, new_state = optimizer.update(res.mean_grads(), opt_state, params)
         return optax.apply_updates(params, updates), new_state
 
     return _reductions.step_unless_empty(  # type: ignore[no-any-return]
-        res.weight, update, (params, opt_state), donated=donated, may_be_empty=may_be_empty)
+        res.weight, update, (params, opt_state), donated=donated,
+        may_be_empty=res.may_be_empty)
 
 
 class TrainStep:
@@ -68,14 +72,10 @@ class TrainStep:
         acc: _arguments.Accumulation,
         optimizer: optax.GradientTransformation,
         donate: bool,
-        gradient: Callable[[tuple[Any, ...], Any], Result] | None = None,
+        source: Source | None = None,
     ) -> None:
         self._acc = acc
-        # (arguments of loss_fn, their shardings read before tracing) -> the accumulated result;
-        # jaxaccum's own pipeline leaves the division by the total weight to the update
-        self._divide_later = gradient is None
-        later = dataclasses.replace(acc, divide_later=True)
-        self._gradient = gradient or functools.partial(_value_and_grad.call, later)
+        self._source = source or functools.partial(_pipeline.run, acc)  # (no frame of its own)
         self._optimizer = optimizer
         self._donate = donate
         self._dp = acc.options.data_parallel
@@ -91,13 +91,8 @@ class TrainStep:
             batch: Any, *rest: Any
         ) -> tuple[Any, ...]:
             whole = params if static is None else _pytrees.combine(params, static.tree)
-            res = self._gradient((whole, batch, *rest), arg_hints)
-            finish = (lambda sums: _pipeline.divide(acc, sums, res.weight, params)) \
-                if self._divide_later else (lambda grads: grads)
-            new_params, new_state = apply_step(
-                optimizer, params, opt_state, res, acc.options.divides_safely, self._donate,
-                finish
-            )
+            res = self._source((whole, batch, *rest), arg_hints)
+            new_params, new_state = apply_step(optimizer, params, opt_state, res, self._donate)
             if hints is not None:  # keep the shardings the step was called with
                 new_params, new_state = jax.tree.map(
                     lambda x, s: x if s is None else jax.lax.with_sharding_constraint(x, s),
@@ -175,7 +170,7 @@ def from_result(
     options: _options.Options,
 ) -> TrainStep:
     """A :class:`TrainStep` around an accumulated ``(params, batch, *rest) -> Result`` (the
-    coupled-loss mechanisms): the step's gradient comes from ``result``, not the pipeline."""
+    coupled-loss mechanisms): the step's gradient source is ``result``, not the pipeline."""
     check_optimizer(entry, optimizer)
     acc = _arguments.make(entry, result, options)
     return TrainStep(acc, optimizer, donate, lambda args, hints: result(*args))

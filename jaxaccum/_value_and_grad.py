@@ -6,7 +6,7 @@ import functools
 from collections.abc import Callable
 from typing import Any, Unpack
 
-from jaxaccum import _arguments, _options, _pipeline, _placement, _pytrees
+from jaxaccum import _arguments, _options, _pipeline
 from jaxaccum._arguments import Accumulation
 from jaxaccum._options import OptionsDict
 from jaxaccum._records import Result, step_info
@@ -38,51 +38,19 @@ def check_return_info(entry: str, options: _options.Options, return_info: Any) -
 def shape_result(acc: Accumulation, res: Result, return_info: bool,
                  with_carry: bool = True) -> tuple[Any, ...]:
     """What every ``value_and_grad`` returns: ``(value, grads)``, with ``return_info``
-    ``(value, grads, info)``, ``info`` a :class:`jaxaccum.StepInfo`."""
+    ``(value, grads, info)``, ``info`` a :class:`jaxaccum.StepInfo`; the gradient divided
+    here, once."""
     value = shape_value(acc, res, with_carry)
+    grads = res.mean_grads()
     if not return_info:
-        return value, res.grads
+        return value, grads
     carry = carried_value(acc, res.carry) if acc.carry and with_carry else ()
-    return value, res.grads, step_info(res, carry)
+    return value, grads, step_info(res, carry)
 
 
 def carried_value(acc: Accumulation, carry: tuple[Any, ...]) -> Any:
     """The carried values as the caller gave ``carry_argnums``: one value for one position."""
     return carry if len(acc.carry) > 1 else carry[0]
-
-
-def filtered(acc: Accumulation, args: tuple[Any, ...]) -> tuple[Accumulation, tuple[Any, ...]]:
-    """Differentiated arguments that are Equinox modules (or hold leaves that are no arrays)
-    are split as ``eqx.partition(tree, eqx.is_inexact_array)``: the inexact arrays are
-    differentiated, everything else is passed through; their gradients hold None there, as
-    with ``eqx.filter_value_and_grad``."""
-    trees = [args[i] for i in acc.diff]
-    for i, tree in zip(acc.diff, trees, strict=True):
-        _pytrees.check_parameters(acc.entry, tree, f"argument {i} (differentiated)")
-    if not any(map(_pytrees.needs_filter, trees)):
-        return acc, args
-    parts = [_pytrees.partition(t) for t in trees]
-    fun = acc.fun
-
-    def with_static(*a: Any) -> Any:
-        whole = [_pytrees.combine(a[i], static) for i, (_, static) in zip(acc.diff, parts,
-                                                                          strict=True)]
-        return fun(*_arguments.replace(a, acc.diff, whole))
-
-    return acc.with_fun(with_static), _arguments.replace(args, acc.diff, [p for p, _ in parts])
-
-
-def call(acc: Accumulation, args: tuple[Any, ...], hints: Any = None) -> Result:
-    """One accumulated call of ``acc`` on positional ``args``: what every front end runs.
-
-    ``hints`` are argument shardings read before tracing (Auto meshes); without them those
-    of ``DataParallel.param_shardings`` are used.
-    """
-    acc, args = filtered(acc, args)
-    dp = acc.options.data_parallel
-    if hints is None and dp is not None and not dp.explicit:
-        hints = _placement.param_hints(acc.entry, dp, args, acc.argnums)
-    return _pipeline.run(acc, args, _placement.for_call(acc.options, hints))
 
 
 def value_and_grad(
@@ -163,6 +131,6 @@ def value_and_grad(
     @functools.wraps(fun)
     def accumulated(*args: Any, **kwargs: Any) -> tuple[Any, ...]:
         bound = acc.bind(args, kwargs)
-        return shape_result(bound, call(bound, args), return_info)
+        return shape_result(bound, _pipeline.run(bound, args), return_info)
 
     return accumulated

@@ -13,7 +13,6 @@ Duck-typed, flax is not imported: a "train state" is any object with ``params``,
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from typing import Any, Unpack
 
@@ -29,7 +28,6 @@ from jaxaccum import (
     _pipeline,
     _reductions,
     _train_step,
-    _value_and_grad,
 )
 from jaxaccum._multi_steps import MultiStepsState
 from jaxaccum._options import OptionsDict
@@ -198,17 +196,15 @@ def train_step(
             fun = _with_rngs(loss_fn, stats is not None)
             args.append((rngs, jnp.zeros((), jnp.int32)))
             carry.append(len(args) - 1)
-        # the division by the total weight is left to the update, where it fuses into it
-        acc = dataclasses.replace(_arguments.make(entry, fun, opts, carry_argnums=tuple(carry)),
-                                  divide_later=True)
-        res = _value_and_grad.call(acc, tuple(args))
+        acc = _arguments.make(entry, fun, opts, carry_argnums=tuple(carry))
+        res = _pipeline.run(acc, tuple(args))
 
-        def update(old: Any) -> Any:
-            new = apply_gradients(old, _pipeline.divide(acc, res.grads, res.weight, old.params))
+        def update(old: Any) -> Any:  # (divided here, in the update, where it fuses into it)
+            new = apply_gradients(old, res.mean_grads())
             return new if stats is None else new.replace(batch_stats=res.carry[0])
 
         new = _reductions.step_unless_empty(res.weight, update, state, donated=donate,
-                                            may_be_empty=opts.divides_safely)
+                                            may_be_empty=res.may_be_empty)
         return new, res.loss, step_info(res)
 
     jitted = jax.jit(step, donate_argnums=(0,) if donate else ())

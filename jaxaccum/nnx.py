@@ -15,7 +15,6 @@ back mutations.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any, Unpack
@@ -82,13 +81,11 @@ def _accumulate(
     model: Any,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
-    divide_later: bool = False,
 ) -> tuple[_arguments.Accumulation, Result, Callable[[], None]]:
     """Accumulates ``loss_fn(model, *args, **kwargs)``: the module (and every graph node among
     ``args`` and ``kwargs``, e.g. an ``nnx.Rngs``) is split once into the module's ``wrt``
     variables, differentiated, and the rest, carried. Returns the accumulation, the result
-    (grads as the module's ``wrt`` state; with ``divide_later``, the sums not yet divided by the
-    total weight: see :func:`jaxaccum._pipeline.divide`) and a function writing the carried
+    (its gradient sums as the module's ``wrt`` state) and a function writing the carried
     state back."""
     if not isinstance(model, nnx.Module):
         raise TypeError(
@@ -121,18 +118,18 @@ def _accumulate(
         f"wrt={getattr(wrt, '__name__', wrt)!r} (carried from one micro-batch to the next: "
         "BatchStat, RNG counts, ...) with their structure, shapes and dtypes (paths start "
         "with the position of the node: [0] is the module)")
-    acc = dataclasses.replace(acc, divide_later=divide_later)
     plain = tuple(None if i in node_at else a for i, a in enumerate(args))
     call_args = (params, *plain, state)
     acc.bind(call_args, {})
-    res = _value_and_grad.call(acc, call_args)
+    res = _pipeline.run(acc, call_args)
     new_state = res.carry[0]
-    grads = res.grads[0] if 0 in res.grads else nnx.State({})
+    model_only = (lambda tree: tree[0] if 0 in tree else nnx.State({}))  # noqa: E731
 
     def write_back() -> None:
         nnx.update(nodes, new_state)
 
-    return acc, res._replace(grads=grads, carry=()), write_back
+    return acc, res._replace(grads=model_only(res.grads), like=model_only(res.like),
+                             carry=()), write_back
 
 
 def value_and_grad(
@@ -282,22 +279,20 @@ def train_step(
         both = (model, optimizer)
         graphdef, before = nnx.split(both)
         before = jax.tree.map(lambda x: x, before)  # a snapshot: new Variables, same arrays
-        # the division by the total weight is left to the update, where it fuses into it
         acc, res, write_back = _accumulate(entry, loss_fn, opts, split, optimizer.wrt if wrt is
-                                          None else wrt, model, args, kwargs, divide_later=True)
+                                          None else wrt, model, args, kwargs)
         write_back()
         carried = nnx.state(both)
 
         def update(_: Any) -> Any:  # pure: on fresh copies of the model and optimizer
             new_model, new_optimizer = nnx.merge(graphdef, carried, copy=True)
-            like = nnx.state(new_model, optimizer.wrt if wrt is None else wrt)
-            like = jax.tree.map(lambda _, x: x, res.grads, like)  # the gradients' leaves
-            new_optimizer.update(new_model, _pipeline.divide(acc, res.grads, res.weight, like))
+            # (the division by the total weight here, in the update, where it fuses into it)
+            new_optimizer.update(new_model, res.mean_grads())
             return nnx.state((new_model, new_optimizer))
 
         # (a step of weight 0 changes nothing, carried state included)
         nnx.update(both, _reductions.step_unless_empty(res.weight, update, before, donated=donate,
-                                                       may_be_empty=opts.divides_safely))
+                                                       may_be_empty=res.may_be_empty))
         return res.loss, step_info(res)
 
     jitted = nnx.jit(step, donate_argnums=(0, 1) if donate else None)

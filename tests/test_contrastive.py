@@ -256,6 +256,49 @@ def test_the_building_blocks_for_every_layout_of_the_sides(n_a, n_b, tile):
                       block_magnitude(case))
 
 
+@pytest.mark.parametrize("n_a, n_b", [(4, 0), (0, 5), (0, 0)])
+def test_an_empty_side_gives_the_empty_sums_value(n_a, n_b):
+    """A side with no example (no negatives at all): every row's log-sum-exp is log 0 =
+    -inf, as jax.nn.logsumexp over an empty axis, the sum over no pair is 0, and neither
+    depends on the params or the other side (zero gradients), whatever the tile."""
+    case = fixed_block_case(max(n_a, 1), max(n_b, 1), 3)
+    p, a, b = block_args(case)
+    a = jax.tree.map(lambda x: x[:n_a], a)
+    b = jax.tree.map(lambda x: x[:n_b], b)
+    mask_a, mask_b = np.ones(n_a, bool), np.ones(n_b, bool)
+    lse = pairwise_logsumexp(block_score_f32, p, a, b, tile=3, mask=mask_b)
+    plain = jax.nn.logsumexp(block_score(p, a, b), axis=1)
+    assert lse.dtype == jnp.float32 and lse.shape == (n_a,), lse
+    np.testing.assert_array_equal(np.asarray(lse), np.asarray(plain))
+    total = pairwise_sum(block_term(block_score_f32), p, a, b, tile=3, mask_a=mask_a,
+                         mask_b=mask_b)
+    assert total.dtype == jnp.float32 and float(total) == 0.0, total
+    def both(p, a):
+        lse = pairwise_logsumexp(block_score_f32, p, a, b, tile=3)
+        return (pairwise_sum(block_term(block_score_f32), p, a, b, tile=3)
+                + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0)))
+
+    grads = jax.grad(both, argnums=(0, 1))(p, a)
+    assert all(float(jnp.max(jnp.abs(g), initial=0.0)) == 0.0 for g in jax.tree.leaves(grads))
+
+
+@pytest.mark.parametrize("tile", [2, 8])
+def test_rows_and_columns_of_very_different_scales(tile):
+    """Each row's and each column's log-sum-exp shifted by its own maximum: a row whose
+    scores all lie ~200 below another row's (and a column likewise) still gets its own value,
+    not log(0) of underflowed terms."""
+    a = np.array([[15.0, 0.0], [-15.0, 0.0], [0.5, 0.1], [0.2, -0.4], [14.0, 0.3]], np.float32)
+    b = np.array([[15.0, 0.2], [0.3, 0.5], [-14.0, 0.1], [0.1, -0.2], [0.4, 0.3]], np.float32)
+    s, mask = np.float32(0.0), np.ones(5, bool)
+    against_reference(lambda a, b, s: clip_loss(a, b, s, tile=tile), plain_clip, (a, b, s),
+                      mask, magnitude(a, b, s))
+    lse = pairwise_logsumexp(lambda p, x, y: x @ y.T, None, a, b, tile=tile)
+    ref = jax.nn.logsumexp(np.asarray(a, np.float64) @ np.asarray(b, np.float64).T, axis=1)
+    # float32: the scores' rounding (a few ulps of the largest |score|) and the log's
+    np.testing.assert_allclose(np.asarray(lse), ref, rtol=0,
+                               atol=8 * EPS32 * float(np.max(np.abs(a @ b.T))))
+
+
 # --- bfloat16 representations and params ---------------------------------------------------
 
 

@@ -25,6 +25,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxaccum import _options
+from jaxaccum._arguments import Accumulation
 from jaxaccum._placement._auto import AutoMesh
 from jaxaccum._placement._explicit import ExplicitMesh
 from jaxaccum._placement.base import LeafOps, OneDevice, Placement
@@ -33,14 +34,17 @@ __all__ = ["AutoMesh", "ExplicitMesh", "LeafOps", "OneDevice", "Placement", "for
            "param_hints"]
 
 
-def for_call(options: _options.Options, hints: Any = None) -> Placement:
-    """The placement of ``options.mesh``; ``hints`` are argument shardings read before tracing
-    (Auto meshes), else those of ``DataParallel.param_shardings``, bound per call."""
-    dp = options.data_parallel
+def for_call(acc: Accumulation, args: tuple[Any, ...], hints: Any = None) -> Placement:
+    """The placement of ``acc.options.mesh`` for one call on ``args``; ``hints`` are argument
+    shardings read before tracing (Auto meshes), else those of
+    ``DataParallel.param_shardings``."""
+    dp = acc.options.data_parallel
     if dp is None:
         return OneDevice()
     if dp.explicit:
         return ExplicitMesh(dp)
+    if hints is None:
+        hints = param_hints(acc.entry, dp, args, acc.argnums)
     return AutoMesh(dp, hints=hints)
 
 

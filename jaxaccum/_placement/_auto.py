@@ -65,7 +65,9 @@ class AutoMesh(DataAxes):
             )(count, *args)
             return Result(loss, grads, aux_in(self, aux, layout), weight, skipped,
                           self.devices * (k if count is None else count),
-                          carry=tuple(acc.carried(args)), noise=noise)  # (carried: empty)
+                          carry=tuple(acc.carried(args)), noise=noise,  # (carried: empty)
+                          like=acc.differentiated(args),
+                          may_be_empty=acc.options.divides_safely)
 
         return placed
 

@@ -37,6 +37,16 @@ def _noncanonical(eqn: Any) -> bool:
     return specs != _canonical_specs(len(dn.lhs_spec))
 
 
+def has_conv(jaxpr: Any) -> bool:
+    """Whether a (closed) jaxpr holds, at any depth, a convolution: its gradient then holds
+    convolutions in another form (autodiff's), which :func:`canonical_convs` rewrites."""
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    return any(
+        eqn.primitive is _CONV or any(map(has_conv, jex.jaxprs_in_params(eqn.params)))
+        for eqn in jaxpr.eqns
+    )
+
+
 def has_noncanonical_conv(jaxpr: Any) -> bool:
     """Whether a (closed) jaxpr holds, at any depth, a convolution not in NHWC/HWIO form."""
     jaxpr = getattr(jaxpr, "jaxpr", jaxpr)

@@ -310,9 +310,11 @@ def pairwise_logsumexp(score: Callable[[Any, Any, Any], jax.Array], params: Any,
     tile = _check_tile(entry, tile)
     n_a, n_b = _rows(entry, "a", a), _rows(entry, "b", b)
     _check_block(entry, "score", score, params, a, b, min(tile, n_a), min(tile, n_b))
+    wb = _weights(entry, "mask", mask, n_b)
+    if n_a == 0 or n_b == 0:  # a sum over nothing: log 0 = -inf for every row, no tile
+        return jnp.full((n_a,), -jnp.inf, jnp.float32)
     return _tiles.logsumexp(score, tile, False, _float32_params(params), a, b,
-                            jnp.ones((n_a,), jnp.float32),
-                            _weights(entry, "mask", mask, n_b))[0]
+                            jnp.ones((n_a,), jnp.float32), wb)[0]
 
 
 def pairwise_sum(term: Callable[[Any, Any, Any, jax.Array], jax.Array], params: Any, a: Any,
@@ -353,6 +355,7 @@ def pairwise_sum(term: Callable[[Any, Any, Any, jax.Array], jax.Array], params: 
     n_a, n_b = _rows(entry, "a", a), _rows(entry, "b", b)
     ta, tb = min(tile, n_a), min(tile, n_b)
     _check_block(entry, "term", term, params, a, b, ta, tb, jnp.eye(ta, tb, dtype=bool))
-    return _tiles.total(term, tile, _float32_params(params), a, b,
-                        _weights(entry, "mask_a", mask_a, n_a),
-                        _weights(entry, "mask_b", mask_b, n_b))
+    wa, wb = _weights(entry, "mask_a", mask_a, n_a), _weights(entry, "mask_b", mask_b, n_b)
+    if n_a == 0 or n_b == 0:  # a sum over no pair, no tile
+        return jnp.zeros((), jnp.float32)
+    return _tiles.total(term, tile, _float32_params(params), a, b, wa, wb)
