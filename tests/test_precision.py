@@ -203,7 +203,8 @@ def _verify_aux(s: Scenario, aux: Any, want: dict[str, Any]) -> None:
 
 def _verify_noise(s: Scenario, noise: Any, want: dict[str, Any]) -> None:
     """The noise scale from the same micro-batch gradients, in float64, with the bounds of
-    its float32 sums and of ``|G|^2`` taken from the gradient in the parameters' dtype."""
+    its float32 sums and of ``|G|^2`` taken from the step's mean gradient (float32; the bound
+    of the gradient in the parameters' dtype covers it)."""
     assert isinstance(noise, jaxaccum.NoiseScale)
     for field in noise:
         assert field.dtype == jnp.float32
@@ -224,7 +225,7 @@ def _verify_noise(s: Scenario, noise: Any, want: dict[str, Any]) -> None:
         small = big / samples
     assert_close("noise big_batch", noise.big_batch, big, 0.0)
     assert_close("noise small_batch", noise.small_batch, small, EPS32 * abs(small))
-    # |G|^2 of the bf16 gradient: each element within grads_bound of G, so |G|^2 within
+    # |G|^2 of the mean gradient: each element within grads_bound of G, so |G|^2 within
     # 2 |G| . bound + |bound|^2; the float32 sum of n_i |g_i|^2 within gamma of its size
     gb = want["grads_bound"]
     d_g2 = float(2 * np.sum(np.abs(want["grads"]) * gb) + np.sum(gb**2))
