@@ -28,6 +28,23 @@ def test_the_ring_equals_one_device_and_gathers_nothing(out, case):
     assert r["all_gather_bytes"] == 0 and "all-gather" not in r["collectives"], r
 
 
+@pytest.mark.parametrize("case", ["clip-bf16/auto", "clip-bf16/explicit", "siglip-bf16/auto",
+                                  "siglip-bf16/explicit"])
+def test_the_ring_in_bfloat16_is_as_precise_as_one_device(out, case):
+    """bfloat16 representations: the ring keeps every per-device share and every step's sum
+    in float32 and rounds each gradient once, as one device does; what both round to bf16 is
+    each tile's cotangent of a bf16 input (JAX's pullback of a bf16 operand is bf16), in
+    tiles laid out differently (24 rows a device against 192). So each leaf's error against
+    the float32 loss on the same bf16 values is one device's, plus one final rounding and
+    float32's reordering (ring.bf16_errors: a sup-norm error may fall on an element that
+    rounded well, so it bounds no other element's rounding alone). A share rounded to bf16
+    at each of the 8 ring steps adds up to 8 roundings of it."""
+    r = out[case]
+    assert r["dtypes"] == ["float32", "bfloat16", "bfloat16", "float32", "float32"], r
+    for leaf in r["leaves"]:
+        assert leaf["error"] <= leaf["bound"], r["leaves"]
+
+
 @pytest.mark.parametrize("case", ["lse-block/auto", "lse-block/explicit", "sum-block/auto",
                                   "sum-block/explicit"])
 def test_the_building_blocks_per_device_equal_one_device(out, case):

@@ -48,17 +48,47 @@ def losses(mesh: jax.sharding.Mesh, a: Any, b: Any, s: Any, t: Any, mask: Any) -
     return out
 
 
-def main() -> None:
-    rng = np.random.default_rng(0)
-    a, b = rng.normal(size=(2, B, E)).astype(np.float32)
-    mask = rng.uniform(size=B) > 0.2
-    s, t = np.float32(1.1), np.float32(-2.0)
-    ref = {
+U16 = 2.0**-8  # bfloat16's unit roundoff
+EPS32 = float(np.finfo(np.float32).eps)
+
+
+def bf16_errors(got: Any, one: Any, ref: Any) -> list[dict[str, float]]:
+    """Per leaf of a bfloat16 run: its largest error, one device's (the same loss on one
+    device, same bf16 inputs) and the bound for it: one device's error, plus one final
+    rounding for a bf16 leaf (U16 of the leaf's largest value; the float32 value and scale
+    and bias gradients are never rounded), plus float32's reordering (64 eps32 of it).
+    ``ref``: the loss in float32 on the same bf16 values (exact inputs, float32 sums: far
+    closer to the truth than either bf16 run)."""
+    out = []
+    for x, o, r in zip(*(map(jax.tree.leaves, (got, one, ref))), strict=True):
+        rounding = U16 if x.dtype == jnp.bfloat16 else 0.0
+        x, o, r = (np.asarray(v, np.float64) for v in (x, o, r))
+        big = float(np.max(np.abs(r)))
+        out.append({"error": float(np.max(np.abs(x - r))),
+                    "one_device": float(np.max(np.abs(o - r))),
+                    "bound": float(np.max(np.abs(o - r))) + (rounding + 64 * EPS32) * big})
+    return out
+
+
+def one_device(a: Any, b: Any, s: Any, t: Any, mask: Any) -> dict[str, Any]:
+    return {
         "clip": jax.jit(jax.value_and_grad(lambda a, b, s, t: clip_loss(
             a, b, s, tile=TILE, mask=mask), argnums=(0, 1, 2, 3)))(a, b, s, t),
         "siglip": jax.jit(jax.value_and_grad(lambda a, b, s, t: siglip_loss(
             a, b, s, t, tile=TILE, mask=mask), argnums=(0, 1, 2, 3)))(a, b, s, t),
     }
+
+
+def main() -> None:
+    rng = np.random.default_rng(0)
+    a, b = rng.normal(size=(2, B, E)).astype(np.float32)
+    mask = rng.uniform(size=B) > 0.2
+    s, t = np.float32(1.1), np.float32(-2.0)
+    ref = one_device(a, b, s, t, mask)
+    # bfloat16 representations: every sum float32 on both sides, each gradient rounded once
+    a16, b16 = a.astype(jnp.bfloat16), b.astype(jnp.bfloat16)
+    ref16 = one_device(a16, b16, s, t, mask)
+    exact16 = one_device(np.asarray(a16, np.float32), np.asarray(b16, np.float32), s, t, mask)
     out: dict[str, Any] = {"reps_bytes": B * E * 4}
     for kind in (AxisType.Auto, AxisType.Explicit):
         mesh = jax.make_mesh((8,), ("data",), axis_types=(kind,))
@@ -66,6 +96,12 @@ def main() -> None:
             rows = NamedSharding(mesh, P("data"))
             got = losses(mesh, jax.device_put(a, rows), jax.device_put(b, rows), s, t,
                          jax.device_put(mask, rows))
+            got16 = losses(mesh, jax.device_put(a16, rows), jax.device_put(b16, rows), s, t,
+                           jax.device_put(mask, rows))
+        for name, ((value, grads), _) in got16.items():
+            out[f"{name}-bf16/{kind.name.lower()}"] = {
+                "leaves": bf16_errors((value, grads), ref16[name], exact16[name]),
+                "dtypes": [str(x.dtype) for x in jax.tree.leaves((value, grads))]}
         for name, ((value, grads), hlo) in got.items():
             ops = _hlo.collectives(hlo)
             out[f"{name}/{kind.name.lower()}"] = {
