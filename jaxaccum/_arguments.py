@@ -23,8 +23,6 @@ class Accumulation:
       split: the positions of the batch arguments, split into micro-batches.
       carry: the positions threaded through the micro-batches.
       options: the shared :class:`jaxaccum.Options`.
-      pin_in_loop: tie the differentiated arguments to the loop carry, so that work on them
-        inside ``fun`` (a per-micro-batch all-gather, ZeRO-3) is not hoisted out of the loop.
       state_name: how messages name the carried arguments, for a front end that carries
         state of its own (NNX: ``"the module's state"``); None: by ``carry_argnums``.
       takes_weights: the entry point takes ``weighted=True`` (the coupled losses do not),
@@ -40,7 +38,6 @@ class Accumulation:
     split: tuple[int, ...]
     carry: tuple[int, ...]
     options: _options.Options
-    pin_in_loop: bool = False
     state_name: str | None = None
     state_rule: str | None = None
     takes_weights: bool = True
@@ -87,9 +84,11 @@ class Accumulation:
         """How messages name carried argument ``i``."""
         return self.state_name or f"carry_argnums: argument {i}"
 
-    def with_fun(self, fun: Callable[..., Any], *, pin_in_loop: bool = False) -> Accumulation:
-        """The same accumulation of another function (a placement's wrapper of ``fun``)."""
-        return dataclasses.replace(self, fun=fun, pin_in_loop=self.pin_in_loop or pin_in_loop)
+    def with_fun(self, fun: Callable[..., Any]) -> Accumulation:
+        """The same accumulation of another function, for a front end that wraps ``fun`` per
+        call (keyword arguments bound, an Equinox module's static part put back, the coupled
+        pass's surrogate); placements wrap it through :attr:`LeafOps.fun` instead."""
+        return dataclasses.replace(self, fun=fun)
 
     def bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Accumulation:
         """Checks a call's positional count; binds keyword arguments (passed whole to every

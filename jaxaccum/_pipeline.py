@@ -49,7 +49,8 @@ def take(acc: Accumulation, views: tuple[Any, ...], i: Any) -> tuple[Any, ...]:
                                                allow_negative_indices=False), views)
 
 
-def shapes(acc: Accumulation, args: tuple[Any, ...], views: tuple[Any, ...]) -> Shapes:
+def shapes(acc: Accumulation, args: tuple[Any, ...], views: tuple[Any, ...],
+           ops: LeafOps) -> Shapes:
     """Traces ``fun`` abstractly on one micro-batch; checks what it returns.
 
     The loss (and weight) must be scalars; every carried argument must come back with the
@@ -57,7 +58,7 @@ def shapes(acc: Accumulation, args: tuple[Any, ...], views: tuple[Any, ...]) -> 
     """
 
     def first(v: tuple[Any, ...]) -> Any:  # indexing inside keeps sharding types
-        return acc.fun(*acc.with_batch(args, take(acc, v, 0)))
+        return ops.fun(acc.fun)(*acc.with_batch(args, take(acc, v, 0)))
 
     # one trace gives the shapes and whether fun holds a convolution (decided once, here)
     closed, shape = jax.make_jaxpr(first, return_shape=True)(views)
@@ -110,10 +111,10 @@ def micro_step(
     The carried arguments come from ``sums.carry`` and their new values go back into it (a
     skipped micro-batch's are dropped)."""
     sums, bufs = state
-    opts = acc.options
+    opts, fun = acc.options, ops.fun(acc.fun)  # (one device: acc.fun itself)
 
     def with_weight(*a: Any) -> tuple[jax.Array, tuple[Any, Any, Any]]:
-        loss, weight, aux, new_carry = _arguments.split_output(acc, acc.fun(*a))
+        loss, weight, aux, new_carry = _arguments.split_output(acc, fun(*a))
         return loss, (weight, aux, new_carry)
 
     grad_fun = jax.value_and_grad(with_weight, argnums=acc.argnums, has_aux=True)
@@ -121,7 +122,7 @@ def micro_step(
         # in this loop body autodiff's gradient convolutions would run as naive loops
         grad_fun = _conv_layout.canonical_convs(grad_fun)
     args = acc.with_carry(acc.with_batch(args, take(acc, views, i)), sums.carry)
-    if acc.pin_in_loop:
+    if ops.pin_in_loop:
         pinned, sums = jax.lax.optimization_barrier((acc.differentiated(args), sums))
         args = acc.replace_differentiated(args, pinned)
     (loss, (weight, aux, new_carry)), grads = grad_fun(*args)
@@ -238,7 +239,7 @@ def per_device(
     ``ops``: the placement's per-leaf operations."""
     with jax.named_scope("jaxaccum.split"):
         views = split(acc, args, k)
-        out = shapes(acc, args, views)
+        out = shapes(acc, args, views, ops)
     state = init_sums(acc, args, out, ops), buffers(acc, out, k)
     body = functools.partial(micro_step, acc, args, views, ops, out)  # (no frame of its own)
     with jax.named_scope("jaxaccum.accumulate"):

@@ -46,12 +46,11 @@ class AutoMesh(DataAxes):
                     x, _specs.leading(self.axes, x.ndim, acc.stacked)), a) if i in acc.split
                     else a for i, a in enumerate(args))
             specs = arg_specs(self, acc, args)
-            ops = self.leaf_ops(acc.differentiated(specs))
             layout: dict[str, Any] = {}  # the aux's structure, read while tracing
 
             def body(n: Any, *local: Any) -> tuple[Any, ...]:
-                local_acc, local_args = self.enter(acc, local, specs)
-                res = per_device(local_acc, local_args, k, n, ops)
+                local_args, ops = self.enter(acc, local, specs)
+                res = per_device(acc, local_args, k, n, ops)
                 return (res.loss, res.grads, aux_out(acc, res, layout), res.weight,
                         res.skipped, res.noise)
 
@@ -71,17 +70,11 @@ class AutoMesh(DataAxes):
 
         return placed
 
-    def leaf_ops(self, specs: Any) -> base.LeafOps:
-        """Per-device accumulators as on one device; the reduction over the data axes
-        (``specs``: the differentiated arguments' specs)."""
-        return base.LeafOps(zeros=_reductions.zeros_accumulator, add=base.add,
-                            finite=base.finite,
-                            reduce=functools.partial(self.reduce, specs=specs),
-                            loops=self.devices)
-
     def enter(self, acc: Accumulation, args: tuple[Any, ...], specs: tuple[Any, ...]) -> tuple[
-            Accumulation, tuple[Any, ...]]:
-        """Inside the ``shard_map``: what the loop needs gathered over the data axes."""
+            tuple[Any, ...], base.LeafOps]:
+        """Inside the ``shard_map``: the arguments with what the loop needs gathered over the
+        data axes, and the leaf ops: per-device accumulators as on one device, the reduction
+        over the data axes after the loop."""
         args = tuple(  # other arguments sharded over the data axes are gathered whole
             a if i in acc.split or i in acc.diff
             else jax.tree.map(self.gather, a, specs[i], is_leaf=is_spec)
@@ -92,9 +85,12 @@ class AutoMesh(DataAxes):
         def gather_diff(tree: Any) -> Any:
             return jax.tree.map(self.gather, tree, diff, is_leaf=is_spec)
 
+        ops = functools.partial(
+            base.LeafOps, zeros=_reductions.zeros_accumulator, add=base.add, finite=base.finite,
+            reduce=functools.partial(self.reduce, specs=diff), loops=self.devices)
         if self.dp.fsdp == "microbatch":  # autodiff reduce-scatters each micro-batch's gradient
-            return gather_inside(acc, gather_diff), args
-        return acc, acc.replace_differentiated(args, gather_diff(acc.differentiated(args)))
+            return args, ops(fun=gather_inside(acc, gather_diff), pin_in_loop=True)
+        return acc.replace_differentiated(args, gather_diff(acc.differentiated(args))), ops()
 
     def manual_over_rest(self, f: Callable[[jax.Array], jax.Array], x: jax.Array,
                          spec: P) -> jax.Array:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -118,15 +119,19 @@ class ExplicitMesh(DataAxes):
 
         outside = jax.tree.map(lambda x, t: x if t.per_microbatch else to_type(x, t), diff,
                                leaves, is_leaf=_is_leaf_plan)
-        if cast.resolve:
-            acc = acc.with_fun(_reduced.reduced_compatible(acc.fun))
-        if any(t.per_microbatch for t in jax.tree.leaves(leaves, is_leaf=_is_leaf_plan)):
-            acc = gather_inside(acc, lambda tree: jax.tree.map(
+        # the loss function re-evaluated so that reduced parameters meet batch-sharded
+        # activations (cast.resolve), and gathering a ZeRO-3 parameter in every micro-batch
+        fun: Callable[[Callable[..., Any]], Callable[..., Any]] = (
+            _reduced.reduced_compatible if cast.resolve else base.as_it_is)
+        zero3 = any(t.per_microbatch for t in jax.tree.leaves(leaves, is_leaf=_is_leaf_plan))
+        if zero3:
+            fun = gather_inside(acc, lambda tree: jax.tree.map(
                 lambda x, t: to_type(x, t) if t.per_microbatch else x, tree, leaves,
-                is_leaf=_is_leaf_plan))
+                is_leaf=_is_leaf_plan), then=fun)
         ops = base.LeafOps(zeros=functools.partial(self.zeros, leaves=leaves), add=add,
                            finite=functools.partial(finite, tuple(self.dp.mesh.axis_names)),
-                           reduce=functools.partial(self.reduce, leaves=leaves))
+                           reduce=functools.partial(self.reduce, leaves=leaves), fun=fun,
+                           pin_in_loop=zero3)
         return acc, acc.replace_differentiated(args, outside), k, count, ops
 
     def zeros(self, diff: Any, dtype: Any, leaves: Any) -> Any:

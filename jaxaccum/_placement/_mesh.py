@@ -14,6 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxaccum import _options, _specs
 from jaxaccum._arguments import Accumulation
+from jaxaccum._placement.base import as_it_is
 
 is_spec = lambda s: isinstance(s, P)  # noqa: E731
 
@@ -78,12 +79,19 @@ def gather(x: jax.Array, spec: P) -> jax.Array:
     return x
 
 
-def gather_inside(acc: Accumulation, gather_tree: Callable[[Any], Any]) -> Accumulation:
-    """``acc`` whose ``fun`` gathers the differentiated arguments itself, in every micro-batch,
-    pinned in the loop so that XLA does not hoist the gather out of it (ZeRO-3)."""
-    fun = acc.fun
+def gather_inside(acc: Accumulation, gather_tree: Callable[[Any], Any],
+                  then: Callable[[Callable[..., Any]], Callable[..., Any]] = as_it_is,
+                  ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """A :attr:`LeafOps.fun` whose function gathers the differentiated arguments itself, in
+    every micro-batch (ZeRO-3; with ``pin_in_loop``, so that XLA does not hoist the gather
+    out of the loop), and is ``then(fun)`` otherwise."""
 
-    def gathered(*args: Any) -> Any:
-        return fun(*acc.replace_differentiated(args, gather_tree(acc.differentiated(args))))
+    def wrap(fun: Callable[..., Any]) -> Callable[..., Any]:
+        inner = then(fun)
 
-    return acc.with_fun(gathered, pin_in_loop=True)
+        def gathered(*args: Any) -> Any:
+            return inner(*acc.replace_differentiated(args, gather_tree(acc.differentiated(args))))
+
+        return gathered
+
+    return wrap

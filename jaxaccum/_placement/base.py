@@ -19,6 +19,11 @@ from jaxaccum._arguments import Accumulation
 from jaxaccum._records import Result, Shapes, Sums
 
 
+def as_it_is(fun: Callable[..., Any]) -> Callable[..., Any]:
+    """The loss function as it is: what one device and most placements run."""
+    return fun
+
+
 class LeafOps(NamedTuple):
     """What differs per leaf between placements, built whole for one call.
 
@@ -31,6 +36,11 @@ class LeafOps(NamedTuple):
       reduce: ``reduce(sums, out)``: the sums reduced over the data axes, once per step.
       loops: how many copies of the micro-batch loop the reduced sums add up (one per device
         inside an Auto mesh's ``shard_map``, else 1).
+      fun: ``fun(f)``: the loss function ``f`` as the placement runs it (wrapped to gather a
+        ZeRO-3 parameter in every micro-batch, or to meet reduced types; else ``f``).
+      pin_in_loop: tie the differentiated arguments to the loop carry, so that work on them
+        inside the wrapped ``fun`` (a per-micro-batch all-gather, ZeRO-3) is not hoisted out
+        of the loop.
     """
 
     zeros: Callable[[Any, Any], Any]
@@ -38,6 +48,8 @@ class LeafOps(NamedTuple):
     finite: Callable[[jax.Array, Any], tuple[jax.Array, Any]]
     reduce: Callable[[Sums, Shapes], Sums]
     loops: int = 1
+    fun: Callable[[Callable[..., Any]], Callable[..., Any]] = as_it_is
+    pin_in_loop: bool = False
 
 
 class PerDevice(Protocol):
