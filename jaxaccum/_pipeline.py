@@ -196,8 +196,7 @@ def concat_in_order(acc: Accumulation, out: Shapes) -> list[bool]:
     writes in batch order ``(m, k, ...)`` as the loop goes."""
     if acc.options.aux_spec is None:
         return []
-    concat = _reductions.AUX_REDUCTIONS["concat"]
-    return [r is concat and not acc.stacked for r in out.aux_plan]
+    return [r.per_example and not acc.stacked for r in out.aux_plan]
 
 
 # --- finalize -----------------------------------------------------------------------------------
@@ -217,12 +216,9 @@ def finalize(
     if acc.options.aux_spec is not None:
         plan = out.aux_plan
         kept = count - sums.skipped  # skipped micro-batches add nothing to a reduced aux
-        concat = _reductions.AUX_REDUCTIONS["concat"]
-        leaves = [y if acc.stacked and r is concat  # a stack's own layout (K, m, ...)
-                  else y.reshape((-1, *y.shape[2:])) if in_order  # (m, k, ...): batch order
+        leaves = [y if acc.stacked and r.per_example  # a stack's own layout (K, m, ...)
                   else r.finalize(y if r.stacked else a, sums.weight, kept)
-                  for r, in_order, a, y in zip(plan, concat_in_order(acc, out), sums.aux, bufs,
-                                               strict=True)]
+                  for r, a, y in zip(plan, sums.aux, bufs, strict=True)]
         aux = jax.tree.unflatten(jax.tree.structure(out.aux), leaves)
     return loss.astype(out.loss.dtype), aux
 

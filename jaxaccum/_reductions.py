@@ -162,6 +162,9 @@ class AuxReduction(NamedTuple):
         ``shard_map`` manual over ``axes``).
       finalize: ``(accumulator or stacked values, total weight, kept) -> value``; ``kept`` is
         the number of micro-batches evaluated and not skipped (0 gives 0 for a mean).
+      per_example: the leaf holds one value per example, given back in the batch's order:
+        a stacked leaf kept ``(m, k, ...)`` (micro-batch i's values at ``[:, i]``, strided
+        micro-batches) or, for a stack of micro-batches, ``(K, m, ...)`` as it lies.
     """
 
     stacked: bool
@@ -169,6 +172,7 @@ class AuxReduction(NamedTuple):
     update: Callable[[Any, Any, jax.Array], Any]
     combine: Callable[[Any, Any], Any]
     finalize: Callable[[Any, jax.Array, int], Any]
+    per_example: bool = False
 
 
 def _extreme(dtype: Any, largest: bool) -> Any:
@@ -186,9 +190,10 @@ def _wide(dtype: Any) -> Any:
 
 
 def _concat(ys: Any, total: jax.Array, count: int) -> Any:
-    """Stacked per-example values ``(k, m, ...)`` of strided micro-batches back in batch order:
-    micro-batch i holds examples i, i + k, ..., so example ``j * k + i`` is ``ys[i, j]``."""
-    return jnp.swapaxes(ys, 0, 1).reshape((-1, *ys.shape[2:]))
+    """Per-example values of strided micro-batches, kept ``(m, k, ...)`` (micro-batch i holds
+    examples i, i + k, ..., so example ``j * k + i`` is ``ys[j, i]``): the batch's order is a
+    reshape."""
+    return ys.reshape((-1, *ys.shape[2:]))
 
 
 def _last_device(acc: Any, axes: Any) -> Any:
@@ -231,7 +236,7 @@ AuxReductionName = Literal["stack", "concat", "sum", "mean", "weighted_mean", "m
                            "last"]
 AUX_REDUCTIONS: dict[AuxReductionName, AuxReduction] = {
     "stack": AuxReduction(True, _none, _none, _same, _same),
-    "concat": AuxReduction(True, _none, _none, _same, _concat),
+    "concat": AuxReduction(True, _none, _none, _same, _concat, per_example=True),
     "sum": AuxReduction(
         False,
         lambda shape, dtype: jnp.zeros(shape, _wide(dtype)),
@@ -302,7 +307,7 @@ def check_concat(entry: str, plan: list[AuxReduction], aux: Any, microbatch_size
     paths = jax.tree_util.tree_flatten_with_path(aux)[0]
     for record, (path, leaf) in zip(plan, paths, strict=True):
         shape = jnp.shape(leaf)
-        if record is AUX_REDUCTIONS["concat"] and (not shape or shape[0] != microbatch_size):
+        if record.per_example and (not shape or shape[0] != microbatch_size):
             raise ValueError(
                 f"{entry}: has_aux 'concat' puts per-example values back in batch order, so "
                 f"each such aux leaf needs a leading axis of the micro-batch size "

@@ -166,8 +166,7 @@ def aux_out(acc: Accumulation, res: Result, layout: dict[str, Any]) -> list[jax.
     layout["tree"] = jax.tree.structure(res.aux)
     layout["stacked"] = [r.stacked for r in res.aux_plan]
     # a stack's concat leaves are (K, m): the devices' shares join along m
-    layout["swap"] = [acc.stacked and r is _reductions.AUX_REDUCTIONS["concat"]
-                      for r in res.aux_plan]
+    layout["swap"] = [acc.stacked and r.per_example for r in res.aux_plan]
     return [jnp.swapaxes(x, 0, 1) if swap else x if stacked else jnp.expand_dims(x, 0)
             for stacked, swap, x in zip(layout["stacked"], layout["swap"],
                                         jax.tree.leaves(res.aux), strict=True)]
