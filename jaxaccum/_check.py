@@ -10,7 +10,7 @@ from typing import Any, NamedTuple, Unpack
 import jax
 import numpy as np
 
-from jaxaccum import _options, _train_step, _value_and_grad
+from jaxaccum import _options, _placement, _value_and_grad
 from jaxaccum._options import OptionsDict
 from jaxaccum._xla import hlo as _hlo
 
@@ -125,7 +125,7 @@ def check(
     if step is None:
         step = _value_and_grad.value_and_grad(loss_fn, **options)
     jitted = jax.jit(step)
-    with _train_step.mesh_context(opts):
+    with _placement.mesh_context(opts):
         got = jitted(params, batch, *rest)
         hlo = jitted.lower(params, batch, *rest).compile().as_text() or ""
     full32 = jax.jit(jax.value_and_grad(loss_fn))(*jax.device_get((params, batch, *rest)))

@@ -58,13 +58,11 @@ def _forward(entry: str, fun: Callable[..., Any], opts: _options.Options, how: A
                                noise_scale=False)
     acc = _arguments.make(entry, placeholder_loss, opts, argnums=0, batch_argnums=2,
                           takes_weights=takes_weights)
-    dp = opts.data_parallel
+    placement = _placement.for_forward(opts)
 
     def forward(params: Any, batch: Any, *rest: Any) -> Any:
         args = (jnp.zeros((), jnp.float32), params, batch, *rest)
-        if dp is None or not dp.explicit:
-            return _pipeline.run(acc, args).aux
-        return _pipeline.run(acc, args, placement=_placement.AutoMesh(dp)).aux
+        return _pipeline.run(acc, args, placement=placement).aux
 
     return forward
 

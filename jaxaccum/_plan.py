@@ -9,7 +9,7 @@ from typing import Any, NamedTuple
 import jax
 import optax
 
-from jaxaccum import _options, _train_step, _validation, _value_and_grad
+from jaxaccum import _options, _placement, _train_step, _validation, _value_and_grad
 
 
 class MemoryEstimate(NamedTuple):
@@ -165,7 +165,7 @@ def plan_microbatches(
                 extra["mesh"] = dataclasses.replace(dp, fsdp=option)
             opts = _options.parse("jaxaccum.plan_microbatches",
                                   {"num_microbatches": k, **extra})
-            with _train_step.mesh_context(opts):
+            with _placement.mesh_context(opts):
                 if optimizer is None:
                     fn = _value_and_grad.value_and_grad(fun, num_microbatches=k, **extra)
                     lowered = jax.jit(fn).lower(params, batch, *rest)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from collections.abc import Callable
 from typing import Any, Unpack
@@ -16,6 +15,7 @@ from jaxaccum import (
     _microbatches,
     _options,
     _pipeline,
+    _placement,
     _pytrees,
     _reductions,
     _value_and_grad,
@@ -24,12 +24,6 @@ from jaxaccum._options import OptionsDict
 from jaxaccum._records import Result, StepInfo, step_info
 
 ENTRY = "jaxaccum.train_step"
-
-
-def _sharding_of(x: Any) -> Any:
-    """A concrete array's (or ShapeDtypeStruct's) NamedSharding, else None."""
-    sharding = getattr(x, "sharding", None)
-    return sharding if isinstance(sharding, NamedSharding) else None
 
 
 # A gradient source: (arguments of the loss function, their shardings read before tracing or
@@ -109,9 +103,7 @@ class TrainStep:
         return jax.jit(step, static_argnums=0, donate_argnums=donated)
 
     def _jitted(self, args: tuple[Any, ...]) -> Any:
-        hints = None
-        if self._dp is not None and not self._dp.explicit:
-            hints = tuple(jax.tree.map(_sharding_of, a) for a in args)
+        hints = _placement.traced_hints(self._acc.options, args)
         key = None if hints is None else jax.tree.flatten(hints, is_leaf=lambda s: s is None)
         cache_key = None if key is None else (tuple(key[0]), key[1])
         if cache_key not in self._compiled:
@@ -134,7 +126,7 @@ class TrainStep:
         self, params: optax.Params, opt_state: optax.OptState, batch: Any, *rest: Any
     ) -> tuple[optax.Params, optax.OptState, jax.Array, StepInfo]:
         static, args = self._arguments(params, opt_state, batch, rest)
-        with mesh_context(self._acc.options):
+        with _placement.mesh_context(self._acc.options):
             new_params, *out = self._jitted(args)(static, *args)
         if static is not None:
             new_params = _pytrees.combine(new_params, static.tree)
@@ -143,13 +135,13 @@ class TrainStep:
     def lower(self, *args: Any) -> Any:
         """``jax.jit(...).lower`` of the step for these arguments (arrays or shape structs)."""
         static, args = self._arguments(args[0], args[1], args[2], args[3:])
-        with mesh_context(self._acc.options):
+        with _placement.mesh_context(self._acc.options):
             return self._jitted(args).lower(static, *args)
 
     def trace(self, *args: Any) -> Any:
         """``jax.jit(...).trace`` of the step for these arguments."""
         static, args = self._arguments(args[0], args[1], args[2], args[3:])
-        with mesh_context(self._acc.options):
+        with _placement.mesh_context(self._acc.options):
             return self._jitted(args).trace(static, *args)
 
     @property
@@ -183,14 +175,6 @@ def check_optimizer(entry: str, optimizer: Any) -> None:
             f"{entry}: optimizer must be an optax.GradientTransformation; got "
             f"{type(optimizer).__name__}"
         )
-
-
-def mesh_context(options: _options.Options) -> Any:
-    """Explicit-axis meshes need the mesh in context (``jax.set_mesh``) while tracing."""
-    dp = options.data_parallel
-    if dp is not None and dp.explicit:
-        return jax.set_mesh(dp.mesh)
-    return contextlib.nullcontext()
 
 
 def train_step(

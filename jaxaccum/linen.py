@@ -26,8 +26,8 @@ from jaxaccum import (
     _microbatches,
     _options,
     _pipeline,
+    _placement,
     _reductions,
-    _train_step,
 )
 from jaxaccum._multi_steps import MultiStepsState
 from jaxaccum._options import OptionsDict
@@ -212,7 +212,7 @@ def train_step(
     def run(state: Any, batch: Any, *rest: Any, rngs: Any = None) -> tuple[Any, Any, StepInfo]:
         # one program for every count
         batch = _microbatches.canonical(batch, entry, opts.max_microbatches)
-        with _train_step.mesh_context(opts):
+        with _placement.mesh_context(opts):
             return jitted(state, batch, *rest, rngs=rngs)  # type: ignore[no-any-return]
 
     return run

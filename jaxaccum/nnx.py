@@ -28,8 +28,8 @@ from jaxaccum import (
     _microbatches,
     _options,
     _pipeline,
+    _placement,
     _reductions,
-    _train_step,
     _value_and_grad,
 )
 from jaxaccum._options import OptionsDict
@@ -302,7 +302,7 @@ def train_step(
             **kwargs: Any) -> tuple[Any, StepInfo]:
         # one program for every count
         args = tuple(_microbatches.canonical(a, entry, opts.max_microbatches) for a in args)
-        with _train_step.mesh_context(opts):
+        with _placement.mesh_context(opts):
             return jitted(model, optimizer, args, kwargs)  # type: ignore[no-any-return]
 
     return run

@@ -18,6 +18,7 @@ every micro-batch, and its gradient is reduce-scattered every micro-batch (ZeRO-
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import jax
@@ -31,7 +32,11 @@ from jaxaccum._placement._explicit import ExplicitMesh
 from jaxaccum._placement.base import LeafOps, OneDevice, Placement
 
 __all__ = ["AutoMesh", "ExplicitMesh", "LeafOps", "OneDevice", "Placement", "for_call",
-           "param_hints"]
+           "for_forward", "mesh_context", "param_hints", "traced_hints"]
+
+# Explicit or Auto axes is decided here, for every caller: which placement runs a call, what
+# a caller reads before tracing (Auto: the arguments' shardings, which tracers do not carry)
+# and what it enters while tracing (Explicit: the mesh, for JAX's sharding in types).
 
 
 def for_call(acc: Accumulation, args: tuple[Any, ...], hints: Any = None) -> Placement:
@@ -46,6 +51,39 @@ def for_call(acc: Accumulation, args: tuple[Any, ...], hints: Any = None) -> Pla
     if hints is None:
         hints = param_hints(acc.entry, dp, args, acc.argnums)
     return AutoMesh(dp, hints=hints)
+
+
+def for_forward(options: _options.Options) -> Placement | None:
+    """The placement of a forward-only pass (the coupled losses'): as on Auto axes even where
+    they are Explicit, so each device evaluates its share of every micro-batch and the outputs
+    meet once, after the loop (on Explicit axes a sum over the batch inside the function
+    would be reduced over the devices in every micro-batch); None: :func:`for_call`'s."""
+    dp = options.data_parallel
+    return AutoMesh(dp) if dp is not None and dp.explicit else None
+
+
+def traced_hints(options: _options.Options, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+    """On Auto axes, every argument leaf's ``NamedSharding`` (or None), read before tracing:
+    traced arrays carry none there. None elsewhere."""
+    dp = options.data_parallel
+    if dp is None or dp.explicit:
+        return None
+    return tuple(jax.tree.map(_sharding_of, a) for a in args)
+
+
+def _sharding_of(x: Any) -> Any:
+    """A concrete array's (or ShapeDtypeStruct's) NamedSharding, else None."""
+    sharding = getattr(x, "sharding", None)
+    return sharding if isinstance(sharding, NamedSharding) else None
+
+
+def mesh_context(options: _options.Options) -> Any:
+    """What a caller enters while tracing: on Explicit axes the mesh (``jax.set_mesh``, which
+    JAX's sharding in types needs), else nothing."""
+    dp = options.data_parallel
+    if dp is not None and dp.explicit:
+        return jax.set_mesh(dp.mesh)
+    return contextlib.nullcontext()
 
 
 def param_hints(
