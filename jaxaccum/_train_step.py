@@ -119,14 +119,14 @@ class TrainStep:
         if _pytrees.needs_filter(params):
             params, static_tree = _pytrees.partition(params)
             static = _pytrees.Static.of(self._acc.entry, static_tree)
-        return static, (params, opt_state, _microbatches.canonical(batch, self._acc.entry,
-                                                 self._acc.options.max_microbatches), *rest)
+        return static, (params, opt_state, batch, *rest)
 
     def __call__(
         self, params: optax.Params, opt_state: optax.OptState, batch: Any, *rest: Any
     ) -> tuple[optax.Params, optax.OptState, jax.Array, StepInfo]:
         static, args = self._arguments(params, opt_state, batch, rest)
-        with _placement.mesh_context(self._acc.options):
+        args, tracing = prepared(self._acc.entry, self._acc.options, args)
+        with tracing:
             new_params, *out = self._jitted(args)(static, *args)
         if static is not None:
             new_params = _pytrees.combine(new_params, static.tree)
@@ -135,13 +135,15 @@ class TrainStep:
     def lower(self, *args: Any) -> Any:
         """``jax.jit(...).lower`` of the step for these arguments (arrays or shape structs)."""
         static, args = self._arguments(args[0], args[1], args[2], args[3:])
-        with _placement.mesh_context(self._acc.options):
+        args, tracing = prepared(self._acc.entry, self._acc.options, args)
+        with tracing:
             return self._jitted(args).lower(static, *args)
 
     def trace(self, *args: Any) -> Any:
         """``jax.jit(...).trace`` of the step for these arguments."""
         static, args = self._arguments(args[0], args[1], args[2], args[3:])
-        with _placement.mesh_context(self._acc.options):
+        args, tracing = prepared(self._acc.entry, self._acc.options, args)
+        with tracing:
             return self._jitted(args).trace(static, *args)
 
     @property
@@ -152,6 +154,16 @@ class TrainStep:
         int32 first). JAX compiles anew for arguments of another kind: NumPy parameters
         after the first step's jax arrays, a weakly typed scalar in the optimizer state."""
         return sum(f._cache_size() for f in self._compiled.values())
+
+
+def prepared(entry: str, options: _options.Options,
+             args: tuple[Any, ...]) -> tuple[tuple[Any, ...], Any]:
+    """How every step is called, written once (jaxaccum's, the coupled ones, NNX's, linen's):
+    the arguments with each runtime count made int32 (one compiled program for every count),
+    and the context to call the jitted step in (on Explicit axes, the mesh). The caller calls
+    inside it itself: no frame of this between the step and the loss."""
+    args = tuple(_microbatches.canonical(a, entry, options.max_microbatches) for a in args)
+    return args, _placement.mesh_context(options)
 
 
 def from_result(

@@ -23,11 +23,10 @@ from jax.typing import ArrayLike
 
 from jaxaccum import (
     _arguments,
-    _microbatches,
     _options,
     _pipeline,
-    _placement,
     _reductions,
+    _train_step,
 )
 from jaxaccum._multi_steps import MultiStepsState
 from jaxaccum._options import OptionsDict
@@ -210,9 +209,8 @@ def train_step(
     jitted = jax.jit(step, donate_argnums=(0,) if donate else ())
 
     def run(state: Any, batch: Any, *rest: Any, rngs: Any = None) -> tuple[Any, Any, StepInfo]:
-        # one program for every count
-        batch = _microbatches.canonical(batch, entry, opts.max_microbatches)
-        with _placement.mesh_context(opts):
-            return jitted(state, batch, *rest, rngs=rngs)  # type: ignore[no-any-return]
+        args, tracing = _train_step.prepared(entry, opts, (batch, *rest))
+        with tracing:
+            return jitted(state, *args, rngs=rngs)  # type: ignore[no-any-return]
 
     return run

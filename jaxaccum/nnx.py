@@ -25,11 +25,10 @@ from flax import nnx
 from jaxaccum import (
     _arguments,
     _coupled,
-    _microbatches,
     _options,
     _pipeline,
-    _placement,
     _reductions,
+    _train_step,
     _value_and_grad,
 )
 from jaxaccum._options import OptionsDict
@@ -300,9 +299,8 @@ def train_step(
     @functools.wraps(loss_fn)
     def run(model: nnx.Module, optimizer: nnx.Optimizer, *args: Any,
             **kwargs: Any) -> tuple[Any, StepInfo]:
-        # one program for every count
-        args = tuple(_microbatches.canonical(a, entry, opts.max_microbatches) for a in args)
-        with _placement.mesh_context(opts):
+        args, tracing = _train_step.prepared(entry, opts, args)
+        with tracing:
             return jitted(model, optimizer, args, kwargs)  # type: ignore[no-any-return]
 
     return run
