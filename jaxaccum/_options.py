@@ -243,6 +243,26 @@ class Options:
                 f"{entry}: mesh has the axes {self.mesh.axis_names}; name the data axes with "
                 f"mesh=jaxaccum.DataParallel(mesh, data_axis={self.mesh.axis_names[0]!r})"
             )
+        self._check_noise_scale(entry)
+
+    def _check_noise_scale(self, entry: str) -> None:
+        """The meshes on which no device holds its own micro-batch gradient to measure."""
+        dp = self.data_parallel
+        if not self.noise_scale or dp is None:
+            return
+        if dp.explicit:
+            raise ValueError(
+                f"{entry}: noise_scale=True is not available on a mesh whose data axes "
+                f"{dp.axes} are Explicit (each device's micro-batch gradient is an unreduced "
+                "partial sum there); use Auto axes (jax.make_mesh(..., axis_types=(AxisType."
+                "Auto, ...))) or one device"
+            )
+        if dp.fsdp == "microbatch":
+            raise ValueError(
+                f"{entry}: noise_scale=True with fsdp='microbatch': each micro-batch's "
+                "gradient is reduce-scattered over the devices at once, so no device holds its "
+                "own micro-batch gradient to measure; use fsdp='step'"
+            )
 
     @property
     def aux_spec(self) -> Any:

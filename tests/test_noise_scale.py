@@ -194,20 +194,20 @@ def test_mnist_mlp_estimate_within_20_percent_of_per_example_gradients(mnist):
 
 
 def test_noise_scale_refuses_explicit_axes_and_per_microbatch_fsdp():
-    params = mlp_params(jax.random.key(7))
-    batch = random_batch(jax.random.key(8), 32)
     explicit = jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
-    with jax.set_mesh(explicit), refuses(ValueError, match="not available on a mesh whose"):
-        jaxaccum.value_and_grad(mse_loss, num_microbatches=4, **NOISE,
-                                mesh=explicit)(params, batch)
+    # refused when the function is built, before any call or trace
+    with refuses(ValueError, match="value_and_grad: noise_scale=True is not available on a mesh"):
+        jaxaccum.value_and_grad(mse_loss, num_microbatches=4, **NOISE, mesh=explicit)
+    with refuses(ValueError, match="train_step: noise_scale=True is not available on a mesh"):
+        jaxaccum.train_step(mse_loss, optax.sgd(0.1), num_microbatches=4, noise_scale=True,
+                            mesh=explicit)
     auto = jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
     # the mode as a literal, and as a config file or a command line gives it (a str built at
     # run time, not the interned literal: an identity test would miss it)
     for mode in ("microbatch", "".join(["micro", "batch"])):
         fsdp = jaxaccum.DataParallel(auto, fsdp=mode)  # type: ignore[arg-type]
         with refuses(ValueError, match="fsdp='microbatch'.*use fsdp='step'"):
-            jaxaccum.value_and_grad(mse_loss, num_microbatches=4, **NOISE,
-                                    mesh=fsdp)(params, batch)
+            jaxaccum.value_and_grad(mse_loss, num_microbatches=4, **NOISE, mesh=fsdp)
 
 
 def test_nnx_steps_return_the_noise_scale():

@@ -135,12 +135,6 @@ def refuse(mesh: AutoMesh, acc: Accumulation, args: tuple[Any, ...]) -> None:
             "micro-batch, so carried state (BatchNorm statistics) would differ from the "
             "single-device run; use a mesh with Explicit axes (jax.make_mesh's default)"
         )
-    if acc.options.noise_scale and mesh.dp.fsdp == "microbatch":
-        raise ValueError(
-            f"{acc.entry}: noise_scale=True with fsdp='microbatch': each micro-batch's "
-            "gradient is reduce-scattered over the devices at once, so no device holds its "
-            "own micro-batch gradient to measure; use fsdp='step'"
-        )
 
 
 def arg_specs(mesh: AutoMesh, acc: Accumulation, args: tuple[Any, ...]) -> tuple[Any, ...]:

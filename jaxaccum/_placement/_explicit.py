@@ -78,14 +78,8 @@ class ExplicitMesh(DataAxes):
         return placed
 
     def refuse(self, acc: Accumulation) -> None:
-        """The options an Explicit mesh cannot honour, and a mesh not in context."""
-        if acc.options.noise_scale:
-            raise ValueError(
-                f"{acc.entry}: noise_scale=True is not available on a mesh whose data axes "
-                f"{self.axes} are Explicit (each device's micro-batch gradient is an unreduced "
-                "partial sum there); use Auto axes (jax.make_mesh(..., axis_types=(AxisType."
-                "Auto, ...))) or one device"
-            )
+        """A mesh not in context (the options it cannot honour are refused when they are
+        built: :class:`jaxaccum.Options`)."""
         current = jax.sharding.get_abstract_mesh()
         if current.empty or current.shape_tuple != self.dp.mesh.abstract_mesh.shape_tuple:
             raise ValueError(
