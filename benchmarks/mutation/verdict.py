@@ -74,6 +74,11 @@ TESTS = {
     "jaxaccum/grain.py": ["tests/test_grain.py"],
     "jaxaccum/_pipeline.py": [*REFERENCE, "tests/test_carry.py", *MESH, *PRECISION, *MESH_PARITY],
     "jaxaccum/_multi_steps.py": ["tests/test_multi_steps.py", *PRECISION],
+    # the gradient sources' results, divided once where they are used; the step written once
+    "jaxaccum/_records.py": [*REFERENCE, *MESH, "tests/test_noise_scale.py",
+                             "tests/test_coupled.py", *PRECISION],
+    "jaxaccum/_train_step.py": [*REFERENCE, "tests/test_train_step.py", "tests/test_flax.py",
+                                "tests/test_runtime_count.py", *PRECISION],
 }
 for _module in ("jaxaccum/_reductions.py", "jaxaccum/_microbatches.py", "jaxaccum/_options.py",
                 "jaxaccum/_coupled.py", "jaxaccum/packing.py"):
