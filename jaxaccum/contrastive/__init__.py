@@ -290,7 +290,8 @@ def pairwise_logsumexp(score: Callable[[Any, Any, Any], jax.Array], params: Any,
       mask: ``(n_b,)`` booleans, False for the examples of ``b`` left out of the sum.
 
     Returns:
-      ``(n_a,)`` float32; ``-inf`` where no example of ``b`` is kept.
+      ``(n_a,)`` float32; ``-inf`` where no example of ``b`` is kept (every row when ``b``
+      has none).
 
     Raises:
       ValueError: leaves of ``a`` or ``b`` without one leading size, a bad ``mask`` or
@@ -337,7 +338,7 @@ def pairwise_sum(term: Callable[[Any, Any, Any, jax.Array], jax.Array], params: 
       mask_b: ``(n_b,)`` booleans, False for examples of ``b`` left out.
 
     Returns:
-      A float32 scalar.
+      A float32 scalar (0 when a side has no example).
 
     Raises:
       ValueError: leaves of ``a`` or ``b`` without one leading size, a bad mask or ``tile``,
