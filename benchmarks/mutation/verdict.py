@@ -76,7 +76,7 @@ TESTS = {
     "jaxaccum/_multi_steps.py": ["tests/test_multi_steps.py", *PRECISION],
     # the gradient sources' results, divided once where they are used; the step written once
     "jaxaccum/_records.py": [*REFERENCE, *MESH, "tests/test_noise_scale.py",
-                             "tests/test_coupled.py", *PRECISION],
+                             "tests/test_coupled.py", "tests/test_carry.py", *PRECISION],
     "jaxaccum/_train_step.py": [*REFERENCE, "tests/test_train_step.py", "tests/test_flax.py",
                                 "tests/test_runtime_count.py", *PRECISION],
 }
