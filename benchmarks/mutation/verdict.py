@@ -78,7 +78,8 @@ TESTS = {
     "jaxaccum/_records.py": [*REFERENCE, *MESH, "tests/test_noise_scale.py",
                              "tests/test_coupled.py", "tests/test_carry.py", *PRECISION],
     "jaxaccum/_train_step.py": [*REFERENCE, "tests/test_train_step.py", "tests/test_flax.py",
-                                "tests/test_runtime_count.py", *PRECISION],
+                                "tests/test_runtime_count.py", "tests/test_carry.py",
+                                *PRECISION],
 }
 for _module in ("jaxaccum/_reductions.py", "jaxaccum/_microbatches.py", "jaxaccum/_options.py",
                 "jaxaccum/_coupled.py", "jaxaccum/packing.py"):
