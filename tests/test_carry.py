@@ -71,8 +71,10 @@ def test_carried_state_in_train_step_is_donated_and_returned():
     step = jaxaccum.train_step(bn_loss, opt, num_microbatches=4, carry_argnums=2)
     params = jax.tree.map(jnp.array, PARAMS)
     stats = jax.tree.map(jnp.array, STATS)
+    structure = jax.tree.structure(stats)
     params, _, loss, info = step(params, opt.init(params), BATCH, stats)
-    new_stats = info.carry
+    new_stats = info.carry  # the carried value comes back as it came in: one value, one tree
+    assert jax.tree.structure(new_stats) == structure, (jax.tree.structure(new_stats), structure)
     assert info.aux is None and int(new_stats["count"]) == 4
     assert all(s.is_deleted() for s in jax.tree.leaves(stats))
     assert_trees_close(new_stats["mean"], sequential(4)[2]["mean"], 1e-6)
