@@ -18,6 +18,7 @@ import grain
 import numpy as np
 
 from jaxaccum import _microbatches, _validation, packing
+from jaxaccum.packing import _layout
 
 __all__ = ["PackIterDataset", "to_microbatches"]
 
@@ -91,7 +92,7 @@ class PackIterDataset(grain.IterDataset):
             "max_microbatches": _validation.positive_int(max_microbatches, "max_microbatches",
                                                          PACK),
             "lookahead": _validation.positive_int(lookahead, "lookahead", PACK),
-            "pad_id": packing._pad_id(PACK, pad_id)}
+            "pad_id": _layout._pad_id(PACK, pad_id)}
         self._key = key
 
     def __iter__(self) -> _PackDatasetIterator:

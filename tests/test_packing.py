@@ -218,8 +218,9 @@ def test_property_layout(lengths, length, rows, spare, seed, block, mapped, pad_
     lengths = [min(k, length) for k in lengths]
     seqs = random_sequences(np.random.default_rng(seed), lengths)
     used = pack(seqs, rows=rows, length=length).num_microbatches
-    with (mock.patch.object(packing, "_BLOCK_TOKENS", block or packing._BLOCK_TOKENS),
-          mock.patch.object(packing, "_MAPPED_BYTES", 1 if mapped else packing._MAPPED_BYTES)):
+    layout = packing._layout
+    with (mock.patch.object(layout, "_BLOCK_TOKENS", block or layout._BLOCK_TOKENS),
+          mock.patch.object(layout, "_MAPPED_BYTES", 1 if mapped else layout._MAPPED_BYTES)):
         packed = pack(seqs, rows=rows, length=length, max_microbatches=max(used + spare, 1),
                       pad_id=pad_id)
     check_packed(packed, seqs, rows=rows, length=length, pad_id=pad_id)
@@ -258,11 +259,11 @@ def test_an_error_while_padding_reaches_the_caller(failing):
         except BaseException as e:  # noqa: BLE001 - judged below
             raised.append(e)
 
-    pad, fill = packing._pad, packing._fill
+    pad, fill = packing._layout._pad, packing._layout._fill
     raised: list[BaseException] = []
-    with (mock.patch.object(packing, "_BLOCK_TOKENS", 8),
-          mock.patch.object(packing, "_pad", failing_pad),
-          mock.patch.object(packing, "_fill", counted_fill)):
+    with (mock.patch.object(packing._layout, "_BLOCK_TOKENS", 8),
+          mock.patch.object(packing._layout, "_pad", failing_pad),
+          mock.patch.object(packing._layout, "_fill", counted_fill)):
         caller = threading.Thread(target=run, daemon=True)
         caller.start()
         caller.join(timeout=30)  # a few ms when it works

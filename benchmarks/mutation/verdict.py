@@ -51,7 +51,7 @@ TESTS = {
                            "tests/test_coupled_mesh.py"],
     # packing's domain tests first: a few seconds, and a refusal of valid input is an
     # assertion there (elsewhere it is recorded and the run goes on, past the timeout)
-    "jaxaccum/packing.py": [*(f"tests/test_domains.py::{name}" for name in (
+    "jaxaccum/packing/": [*(f"tests/test_domains.py::{name}" for name in (
         "test_a_sequence_is_taken_exactly_when_it_is_1d_integer_ids_that_fit",
         "test_a_stream_state_is_taken_exactly_when_it_is_one_and_resumes_exactly",
         "test_packed_microbatches_takes_exactly_the_array_fields",
@@ -82,14 +82,15 @@ TESTS = {
                                 *PRECISION],
 }
 for _module in ("jaxaccum/_reductions.py", "jaxaccum/_microbatches.py", "jaxaccum/_options.py",
-                "jaxaccum/_coupled.py", "jaxaccum/packing.py"):
+                "jaxaccum/_coupled.py", "jaxaccum/packing/"):
     TESTS[_module] += PRECISION  # bfloat16 inputs, against the float64 model
 for _module in ("jaxaccum/_reductions.py", "jaxaccum/_microbatches.py", "jaxaccum/_options.py"):
     TESTS[_module] += MESH_PARITY  # every option on a mesh, the paths only taken there
 # seconds: about 4 times what the module's tests take unmutated on 2 busy cores
 # (the pair losses' tests: 1,240 s unmutated on the 2 busy cores, 280 s of CPU)
-TIMEOUT = {"jaxaccum/packing.py": 420, "jaxaccum/contrastive/__init__.py": 1500,
-           "jaxaccum/contrastive/_tiles.py": 1500, "jaxaccum/contrastive/_ring.py": 1500}
+TIMEOUT = {**{f"jaxaccum/packing/{m}.py": 420 for m in ("_layout", "_stream", "_losses")},
+           "jaxaccum/contrastive/__init__.py": 1500, "jaxaccum/contrastive/_tiles.py": 1500,
+           "jaxaccum/contrastive/_ring.py": 1500}
 
 
 # One compilation cache for every mutant of a run (tests/conftest.py makes one per session
