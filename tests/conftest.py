@@ -52,7 +52,7 @@ from hypothesis import Phase, settings
 # - "ci", the default: derandomized (every run, CI's included, sees the same examples, so a
 #   failure reproduces and a pass means the same thing each time) with each test's own count;
 # - "deep": random draws, EXAMPLES_SCALE (10) times each test's count, for longer local runs;
-# - "no-shrink": mutation testing (benchmarks/mutation/verdict.py) needs a failing example, not
+# - "no-shrink": mutation testing (tools/mutation/verdict.py) needs a failing example, not
 #   the smallest: shrinking would recompile the program for every candidate. Derandomized too.
 settings.register_profile("ci", derandomize=True, deadline=None)
 settings.register_profile("deep", derandomize=False, deadline=None)

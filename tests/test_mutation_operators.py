@@ -1,4 +1,4 @@
-"""This project's mutation operators (``benchmarks/mutation/operators.py``): each finds the
+"""This project's mutation operators (``tools/mutation/operators.py``): each finds the
 places of its slip, makes it there, compiles, and does not fire where the slip is not (inside
 a type annotation, on another function, on a one-sided name); ``cr.py`` serves them to
 cosmic-ray beside the built-in operators, in the process that applies the mutants."""
@@ -16,7 +16,7 @@ cosmic_ray = pytest.importorskip("cosmic_ray")  # (the dev extra: CI installs it
 from cosmic_ray.ast import ast_nodes, get_ast  # noqa: E402
 from cosmic_ray.mutating import mutate_code  # noqa: E402
 
-sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "benchmarks" / "mutation"))
+sys.path.insert(0, str(pathlib.Path(__file__).parents[1] / "tools" / "mutation"))
 
 import operators  # noqa: E402
 
@@ -193,7 +193,7 @@ def test_cr_registers_the_operators_beside_the_built_in_ones_for_init_and_exec()
     # cr.py exec runs the local distributor: it applies the mutants in this process (which
     # cr.py patched) through mutate_and_test
     root = pathlib.Path(__file__).parents[1]
-    assert load_config(str(root / "benchmarks/mutation/cosmic-ray.toml")).distributor_name \
+    assert load_config(str(root / "tools/mutation/cosmic-ray.toml")).distributor_name \
         == "local"
     import cosmic_ray.distribution.local as local
     import cosmic_ray.mutating as mutating

@@ -1,6 +1,6 @@
 """``cosmic-ray`` with this project's operators (``operators.py``) beside the built-in ones.
 
-``python benchmarks/mutation/cr.py init|exec|... ARGS`` is ``cosmic-ray init|exec|... ARGS``
+``python tools/mutation/cr.py init|exec|... ARGS`` is ``cosmic-ray init|exec|... ARGS``
 with the provider ``jaxaccum`` registered in ``cosmic_ray.plugins`` first (cosmic-ray finds
 providers through entry points, which need an installed distribution; this adds it in the
 process instead), so ``init`` makes their mutants and ``exec`` applies them. The mutants are
@@ -9,8 +9,8 @@ applied by the process that runs ``exec`` (cosmic-ray's ``local`` distributor ca
 (its workers would not have the operators).
 
 Examples:
-    python benchmarks/mutation/cr.py init benchmarks/mutation/cosmic-ray.toml session.sqlite
-    python benchmarks/mutation/cr.py exec benchmarks/mutation/cosmic-ray.toml session.sqlite
+    python tools/mutation/cr.py init tools/mutation/cosmic-ray.toml session.sqlite
+    python tools/mutation/cr.py exec tools/mutation/cosmic-ray.toml session.sqlite
 """
 
 from __future__ import annotations

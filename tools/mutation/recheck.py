@@ -3,7 +3,7 @@ crashes, by default), e.g. after the test selection in ``verdict.py`` grew: each
 diff is applied to the clone, ``verdict.py`` judges it (appending to the verdict log), and the
 file is restored. ``report.py`` then keeps the newest verdict of each mutant.
 
-``python benchmarks/mutation/recheck.py session.sqlite verdicts.jsonl`` in the clone.
+``python tools/mutation/recheck.py session.sqlite verdicts.jsonl`` in the clone.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def main() -> None:
             print("not applied:", diff.splitlines()[1:3], flush=True)
             continue
         try:
-            subprocess.run([sys.executable, "benchmarks/mutation/verdict.py"], env=env,
+            subprocess.run([sys.executable, "tools/mutation/verdict.py"], env=env,
                            check=False)
         finally:
             subprocess.run(["git", "checkout", "--", "jaxaccum"], check=True)

@@ -1,6 +1,6 @@
 """Keeps a seeded, stratified random sample of a cosmic-ray session's mutants.
 
-``python benchmarks/mutation/sample.py session.sqlite --size 300 --seed 20261201 --shard 0/2``
+``python tools/mutation/sample.py session.sqlite --size 300 --seed 20261201 --shard 0/2``
 deletes from the session every mutant outside the sample (and outside this shard), so that
 ``cosmic-ray exec`` runs only the sample. Mutants inside type annotations are left out before
 sampling: with ``from __future__ import annotations`` they are never evaluated (equivalent by

@@ -1,7 +1,7 @@
 """Joins a cosmic-ray session with the verdicts ``verdict.py`` logged, into one report.
 
-``python benchmarks/mutation/report.py A/session.sqlite A/verdicts.jsonl [B/session.sqlite
-B/verdicts.jsonl ...] --out benchmarks/results/mutation.json`` writes, for the commit the
+``python tools/mutation/report.py A/session.sqlite A/verdicts.jsonl [B/session.sqlite
+B/verdicts.jsonl ...] --out tools/mutation/results/mutation.json`` writes, for the commit the
 sessions ran on: the sample (seed, size, per module), each mutant's operator, place, diff and
 verdict (stillborn: rejected by mypy / killed by an assertion / refused / crashed / survived /
 timeout / invalid), and per module, per operator and per provider (cosmic-ray's built-in
@@ -84,7 +84,7 @@ def load(session: str, log: str) -> list[dict[str, Any]]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("pairs", nargs="+")
-    parser.add_argument("--out", default="benchmarks/results/mutation.json")
+    parser.add_argument("--out", default="tools/mutation/results/mutation.json")
     parser.add_argument("--equivalent", default=None)
     parser.add_argument("--commit", default=None)
     parser.add_argument("--sample", required=True,
@@ -132,7 +132,7 @@ def main() -> None:
     summary = {module: rates(c) for module, c in sorted(per.items())}
     total: Counter[str] = sum(per.values(), Counter())
     # per operator, and built-in ("core/...") against this project's own ("jaxaccum/...",
-    # benchmarks/mutation/operators.py: the slips the test suite was audited for)
+    # tools/mutation/operators.py: the slips the test suite was audited for)
     per_operator: dict[str, Counter[str]] = defaultdict(Counter)
     per_provider: dict[str, Counter[str]] = defaultdict(Counter)
     for m in mutants:
@@ -140,9 +140,9 @@ def main() -> None:
         per_provider[m["operator"].split("/", 1)[0]][m["verdict"]] += 1
     report = {
         "commit": commit,
-        "tool": "cosmic-ray 8.7 through benchmarks/mutation/cr.py (built-in operators and "
-                "this project's, benchmarks/mutation/operators.py; "
-                "benchmarks/mutation/cosmic-ray.toml)",
+        "tool": "cosmic-ray 8.7 through tools/mutation/cr.py (built-in operators and "
+                "this project's, tools/mutation/operators.py; "
+                "tools/mutation/cosmic-ray.toml)",
         "sample": args.sample,
         "kill": "an assertion failed in any test of the module's selection (verdict.py; "
                 "JAXACCUM_MUTATION_MAX_CRASHES=0 runs all of it); "
