@@ -180,8 +180,10 @@ class Options:
         ``return_info=True``), for a few flops per parameter per micro-batch. With
         ``weighted`` the items are what the weights count (tokens); skipped and empty
         micro-batches are no samples. At least 2 micro-batches over all devices; one device
-        or Auto mesh axes.
-      unroll: passed to the micro-batch loop's ``jax.lax.scan`` (default 1: a rolled loop).
+        or Auto mesh axes with ``fsdp="step"`` (refused when built on Explicit axes or with
+        ``fsdp="microbatch"``, where no device holds its own micro-batch gradient).
+      unroll: the micro-batch loop's unroll (a ``jax.lax.fori_loop`` of static bounds, which
+        is a ``jax.lax.scan``; default 1: a rolled loop).
         Unrolling a few iterations cuts loop overhead when micro-batches are tiny (gist MLP,
         k=64: unroll=16 1.31 ms against 1.72 ms rolled), at the price of compile time and of
         the unrolled micro-batches' activations living at once.
