@@ -120,6 +120,35 @@ def test_coupled_count_errors_suggest_only_options_it_takes(entry, counts):
     assert not [name for name in NOT_COUPLED if name in message], message
 
 
+@pytest.mark.parametrize("entry", ["jaxaccum.value_and_grad", "jaxaccum.train_step",
+                                   "jaxaccum.statistics_first",
+                                   "jaxaccum.statistics_first_train_step"])
+def test_a_count_that_divides_nothing_suggests_weights_where_they_are_taken(entry):
+    """k not dividing the batch, on an entry point that takes ``weighted``: padding the batch
+    with weighted=True is one of the fixes offered (statistics-first's forward pass included,
+    which meets the batch first)."""
+    loss = lambda p, b: jnp.mean((b[0] @ p["w"] - b[1]) ** 2)  # noqa: E731
+    stats = lambda p, b: {"n": jnp.asarray(b[0].shape[0], jnp.float32)}  # noqa: E731
+    with_totals = lambda p, b, totals: loss(p, b) / totals["n"]  # noqa: E731
+    opt = optax.sgd(0.1)
+    odd = jax.tree.map(lambda x: x[:-1], BATCH)  # one example short of a multiple of 2
+    builds = {
+        "jaxaccum.value_and_grad": lambda: jaxaccum.value_and_grad(loss, num_microbatches=2)(
+            PARAMS, odd),
+        "jaxaccum.train_step": lambda: jaxaccum.train_step(
+            loss, opt, num_microbatches=2, donate=False)(PARAMS, opt.init(PARAMS), odd),
+        "jaxaccum.statistics_first": lambda: jaxaccum.statistics_first(
+            stats, with_totals, num_microbatches=2)(PARAMS, odd),
+        "jaxaccum.statistics_first_train_step": lambda: jaxaccum.statistics_first_train_step(
+            stats, with_totals, opt, num_microbatches=2, donate=False)(
+                PARAMS, opt.init(PARAMS), odd),
+    }
+    with pytest.raises(ValueError) as info:
+        builds[entry]()
+    message = str(info.value)
+    assert message.startswith(entry) and "weighted=True" in message, message
+
+
 def test_microbatches_and_weights_say_what_to_do():
     with pytest.raises(ValueError) as info:
         jaxaccum.microbatches((np.ones((8, 3)), np.ones((6, 1))), microbatch_size=2,
