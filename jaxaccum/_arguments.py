@@ -85,9 +85,9 @@ class Accumulation:
         return self.state_name or f"carry_argnums: argument {i}"
 
     def with_fun(self, fun: Callable[..., Any]) -> Accumulation:
-        """The same accumulation of another function, for a front end that wraps ``fun`` per
-        call (keyword arguments bound, an Equinox module's static part put back, the coupled
-        pass's surrogate); placements wrap it through :attr:`LeafOps.fun` instead."""
+        """The same accumulation of another function, for what wraps ``fun`` per call
+        (keyword arguments bound, an Equinox module's static part put back); placements wrap
+        it through :attr:`LeafOps.fun` instead."""
         return dataclasses.replace(self, fun=fun)
 
     def bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Accumulation:

@@ -169,23 +169,25 @@ def _coupled(entry: str, encode: Callable[..., Any], loss: Callable[..., Any],
             f"batch and returned as it is); got {has_aux!r}"
         )
     opts = _options.parse(entry, options, runtime_count=False)
-    pullback = _arguments.make(entry, encode, dataclasses.replace(
-        opts, has_aux=False, weighted=True), takes_weights=False)
+    pull_opts = dataclasses.replace(opts, has_aux=False, weighted=True)
+    _arguments.make(entry, encode, pull_opts)  # (encode checked as the loss function is)
+
+    def surrogate(p: Any, both: Any, *r: Any) -> tuple[jax.Array, jax.Array]:
+        micro, cot = both  # <encode(p, micro), its cotangent>, weight 1: summed
+        z = encode(p, micro, *r)
+        dot = sum((jnp.sum(a * b) for a, b in zip(jax.tree.leaves(z), jax.tree.leaves(cot),
+                                                  strict=True)), jnp.zeros(()))
+        return dot, jnp.ones((), jnp.float32)
+
+    # the replay pass, built whole once: the surrogate's gradient is the pulled-back sum
+    pullback = _arguments.make(entry, surrogate, pull_opts, takes_weights=False)
     forward = _forward(entry, encode, opts, "concat", takes_weights=False)
 
     def result(params: Any, batch: Any, *rest: Any) -> Result:
         reps = forward(params, batch, *rest)
         value, (direct, cotangents) = jax.value_and_grad(loss, argnums=(0, 1), has_aux=has_aux)(
             params, reps, batch, *rest)
-
-        def surrogate(p: Any, both: Any, *r: Any) -> tuple[jax.Array, jax.Array]:
-            micro, cot = both  # <encode(p, micro), its cotangent>, weight 1: summed
-            z = encode(p, micro, *r)
-            dot = sum((jnp.sum(a * b) for a, b in zip(jax.tree.leaves(z), jax.tree.leaves(cot),
-                                                      strict=True)), jnp.zeros(()))
-            return dot, jnp.ones((), jnp.float32)
-
-        pull = _pipeline.run(pullback.with_fun(surrogate), (params, (batch, cotangents), *rest))
+        pull = _pipeline.run(pullback, (params, (batch, cotangents), *rest))
         # the pulled-back sum is the whole gradient already (weight 1 per micro-batch, never
         # divided): its divisor is 1; added to the direct part in the accumulator's dtype
         grads = jax.tree.map(lambda d, g: d.astype(g.dtype) + g, direct, pull.grads)
