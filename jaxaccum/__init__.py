@@ -11,6 +11,7 @@ from jaxaccum._coupled import (
     statistics_first,
     statistics_first_train_step,
 )
+from jaxaccum._cross_entropy import linear_cross_entropy
 from jaxaccum._keys import per_example_keys
 from jaxaccum._microbatches import Microbatches, microbatches
 from jaxaccum._multi_steps import (
@@ -42,6 +43,7 @@ __all__ = [
     "coupled_train_step",
     "coupled_value_and_grad",
     "has_updated",
+    "linear_cross_entropy",
     "microbatches",
     "multi_steps",
     "per_example_keys",

@@ -16,7 +16,15 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxaccum import _arguments, _microbatches, _noise, _placement, _reductions, _validation
+from jaxaccum import (
+    _arguments,
+    _microbatches,
+    _noise,
+    _placement,
+    _reductions,
+    _sink,
+    _validation,
+)
 from jaxaccum._arguments import Accumulation
 from jaxaccum._placement.base import LeafOps, Placement
 from jaxaccum._records import Result, Shapes, Sums
@@ -100,6 +108,56 @@ def init_sums(acc: Accumulation, args: tuple[Any, ...], out: Shapes, ops: LeafOp
     )
 
 
+def _sinks_allowed(acc: Accumulation, ops: LeafOps, out: Shapes) -> bool:
+    """Whether an op may add its gradient straight into the accumulator (:mod:`jaxaccum._sink`):
+    where the accumulation is a plain sum of the micro-batch gradients, in this loop."""
+    return (ops.add is _placement.base.add and not ops.pin_in_loop and not out.convs
+            and not acc.options.skip_nonfinite and not acc.options.noise_scale)
+
+
+def _into_sums(acc: Accumulation, with_weight: Any, args: tuple[Any, ...],
+               sums: Sums) -> tuple[Any, Any, Any, list[Any] | None]:
+    """The micro-batch's loss and gradient, each parameter registered with its accumulator
+    as a tap while the loss is traced. When an op used a tap, the gradient is taken with the
+    micro-batch's weight as the seed (so the op adds ``weight * gradient`` into the tap
+    itself), returned as a flat list, and the last result lists the tapped accumulators as the
+    op left them (None elsewhere); when none was used, as ``jax.grad`` gives it, and None."""
+    params, tree = jax.tree.flatten(acc.differentiated(args))
+    used: set[int] = set()
+
+    def tapped(params: list[Any], accumulators: list[Any]) -> Any:
+        with _sink.tapping(_sink.Taps(params, accumulators)) as taps:
+            out = with_weight(*acc.replace_differentiated(args, jax.tree.unflatten(tree, params)))
+        used.update(taps.used)
+        return out
+
+    loss, pullback, rest = jax.vjp(tapped, params, jax.tree.leaves(sums.grads), has_aux=True)
+    weight = rest[0]
+    if not used:
+        grads, _ = pullback(jnp.ones_like(loss))
+        return loss, rest, jax.tree.unflatten(tree, grads), None
+    w = jnp.ones((), jnp.float32) if weight is None else (
+        jnp.asarray(jax.lax.stop_gradient(weight)).astype(jnp.float32))
+    # a weight of 0 seeds 0: the op then computes nothing and its tap comes back unchanged
+    grads, accumulators = pullback(
+        jnp.where(w == 0, 0, _reductions.valid_weight(w)).astype(loss.dtype))
+    return loss, rest, grads, [a if i in used else None for i, a in enumerate(accumulators)]
+
+
+def _added(sums: Any, seeded: list[Any], into: list[Any], w: jax.Array | None) -> Any:
+    """The accumulators after a tapped micro-batch: a tapped leaf's as the op left it, plus the
+    rest of its gradient (from its other uses); every other leaf ``acc + g``, ``g`` already
+    multiplied by the weight (0 where the weight is 0: not even a NaN)."""
+    leaves, tree = jax.tree.flatten(sums)
+
+    def add(a: jax.Array, g: jax.Array, tap: Any) -> jax.Array:
+        g = g if w is None else jnp.where(w == 0, 0, g)
+        return ((a if tap is None else tap) + g).astype(a.dtype)
+
+    return jax.tree.unflatten(
+        tree, [add(a, g, t) for a, g, t in zip(leaves, seeded, into, strict=True)])
+
+
 def micro_step(
     acc: Accumulation, args: tuple[Any, ...], views: tuple[Any, ...], ops: LeafOps, out: Shapes,
     i: Any, state: tuple[Sums, list[Any]],
@@ -117,15 +175,19 @@ def micro_step(
         loss, weight, aux, new_carry = _arguments.split_output(acc, fun(*a))
         return loss, (weight, aux, new_carry)
 
-    grad_fun = jax.value_and_grad(with_weight, argnums=acc.argnums, has_aux=True)
-    if out.convs:  # XLA:CPU canonicalises convolution layouts only in the entry computation:
-        # in this loop body autodiff's gradient convolutions would run as naive loops
-        grad_fun = _conv_layout.canonical_convs(grad_fun)
     args = acc.with_carry(acc.with_batch(args, take(acc, views, i)), sums.carry)
-    if ops.pin_in_loop:
-        pinned, sums = jax.lax.optimization_barrier((acc.differentiated(args), sums))
-        args = acc.replace_differentiated(args, pinned)
-    (loss, (weight, aux, new_carry)), grads = grad_fun(*args)
+    if _sinks_allowed(acc, ops, out):
+        loss, (weight, aux, new_carry), grads, into = _into_sums(acc, with_weight, args, sums)
+    else:
+        into = None
+        grad_fun = jax.value_and_grad(with_weight, argnums=acc.argnums, has_aux=True)
+        if out.convs:  # XLA:CPU canonicalises convolution layouts only in the entry
+            # computation: in this loop body autodiff's gradient convolutions would be naive loops
+            grad_fun = _conv_layout.canonical_convs(grad_fun)
+        if ops.pin_in_loop:
+            pinned, sums = jax.lax.optimization_barrier((acc.differentiated(args), sums))
+            args = acc.replace_differentiated(args, pinned)
+        (loss, (weight, aux, new_carry)), grads = grad_fun(*args)
     loss = loss.astype(sums.loss.dtype)
     w = jnp.ones((), jnp.float32) if weight is None else jax.lax.stop_gradient(weight)
     w = jnp.asarray(w).astype(jnp.float32)
@@ -138,8 +200,9 @@ def micro_step(
     plain = weight is None and not opts.skip_nonfinite  # every weight 1: no NaN to mask
     new = Sums(
         loss=sums.loss + loss if plain else _reductions.weighted_add(sums.loss, loss, w),
-        grads=jax.tree.map(lambda a, g: ops.add(a, g, None if plain else w), sums.grads,
-                           grads),
+        grads=(jax.tree.map(lambda a, g: ops.add(a, g, None if plain else w), sums.grads,
+                            grads) if into is None
+               else _added(sums.grads, grads, into, None if plain else w)),
         weight=sums.weight + 1 if plain else _reductions.add_weight(sums.weight, w),
         skipped=skipped,
         carry=jax.tree.map(lambda old, n: jnp.asarray(n).astype(old.dtype), sums.carry,

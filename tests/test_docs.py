@@ -241,3 +241,7 @@ def test_benchmarks_open_with_the_summary() -> None:
 
 def test_coupled_guide_shows_the_committed_run() -> None:
     generated("docs/guides/coupled.md", "coupled", "coupled", "table", "coupled.json")
+
+
+def test_lm_head_guide_shows_the_committed_run() -> None:
+    generated("docs/guides/lm_head.md", "lm_head", "lm_head", "table", "lm_head.json")

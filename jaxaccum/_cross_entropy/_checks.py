@@ -1,0 +1,84 @@
+"""Argument checks of :func:`jaxaccum.linear_cross_entropy`, at trace time."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxaccum import _validation
+
+REDUCTIONS = ("mean", "sum", "none", "weighted")
+
+
+def _floating(entry: str, name: str, x: Any) -> jax.Array:
+    x = jnp.asarray(x)
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(f"{entry}: {name} must be floating; got dtype {x.dtype}: pass "
+                        f"{name}.astype(jnp.float32) (or bfloat16)")
+    return x
+
+
+def arrays(entry: str, hidden: Any, weight: Any, labels: Any, bias: Any, weights: Any,
+           vocab_axis: Any) -> tuple[jax.Array, jax.Array, jax.Array, Any, Any]:
+    """The arrays, checked for dtype and for shapes that fit together."""
+    if vocab_axis not in (0, 1) or isinstance(vocab_axis, bool):
+        raise ValueError(f"{entry}: vocab_axis must be 0 (weight of shape (V, D)) or 1 "
+                         f"((D, V)); got {vocab_axis!r}")
+    hidden, weight = _floating(entry, "hidden", hidden), _floating(entry, "weight", weight)
+    labels = jnp.asarray(labels)
+    if not jnp.issubdtype(labels.dtype, jnp.integer):
+        raise TypeError(f"{entry}: labels must be integers (class indices); got dtype "
+                        f"{labels.dtype}: pass labels.astype(jnp.int32)")
+    if hidden.ndim < 1 or weight.ndim != 2 or labels.shape != hidden.shape[:-1]:
+        raise ValueError(
+            f"{entry}: expected hidden (..., D), weight 2-D and labels of shape "
+            f"hidden.shape[:-1]; got hidden {hidden.shape}, weight {weight.shape}, labels "
+            f"{labels.shape}")
+    width = hidden.shape[-1]
+    if weight.shape[1 - vocab_axis] != width:
+        fits = (f"; weight {weight.shape} fits with vocab_axis={1 - vocab_axis}"
+                if weight.shape[vocab_axis] == width else "")
+        raise ValueError(
+            f"{entry}: weight {weight.shape} with vocab_axis={vocab_axis} needs D = "
+            f"{weight.shape[1 - vocab_axis]} on hidden's last axis; got hidden "
+            f"{hidden.shape}{fits}")
+    vocab = weight.shape[vocab_axis]
+    if bias is not None:
+        bias = _floating(entry, "bias", bias)
+        if bias.shape != (vocab,):
+            raise ValueError(f"{entry}: bias must have shape (V,) = ({vocab},); got {bias.shape}")
+    if weights is not None:
+        weights = jnp.asarray(weights)
+        if weights.shape != labels.shape:
+            raise ValueError(f"{entry}: weights must have the shape of labels {labels.shape}; "
+                             f"got {weights.shape}")
+    if vocab == 0:
+        raise ValueError(f"{entry}: the vocabulary is empty (weight {weight.shape})")
+    return hidden, weight, labels, bias, weights
+
+
+def chunk(entry: str, value: Any, name: str) -> int:
+    """A chunk size: a positive int."""
+    return _validation.positive_int(value, name, entry)
+
+
+def coefficients(entry: str, label_smoothing: Any, z_loss: Any) -> tuple[float, float]:
+    """The loss's coefficients as Python floats, in range."""
+    values = []
+    for name, value, low, high in (("label_smoothing", label_smoothing, 0.0, 1.0),
+                                   ("z_loss", z_loss, 0.0, np.inf)):
+        if isinstance(value, bool) or not isinstance(value, (int, float, np.floating)):
+            raise TypeError(f"{entry}: {name} must be a Python float (it decides the program); "
+                            f"got {value!r} of type {type(value).__name__}")
+        if not low <= value < high:
+            raise ValueError(f"{entry}: {name} must be in [{low}, {high}); got {value}")
+        values.append(float(value))
+    return values[0], values[1]
+
+
+def reduction(entry: str, value: Any) -> None:
+    if value not in REDUCTIONS:
+        raise ValueError(f"{entry}: reduction must be one of {REDUCTIONS}; got {value!r}")
