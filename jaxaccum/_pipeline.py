@@ -115,33 +115,37 @@ def _sinks_allowed(acc: Accumulation, ops: LeafOps, out: Shapes) -> bool:
             and not acc.options.skip_nonfinite and not acc.options.noise_scale)
 
 
-def _into_sums(acc: Accumulation, with_weight: Any, args: tuple[Any, ...],
-               sums: Sums) -> tuple[Any, Any, Any, list[Any] | None]:
-    """The micro-batch's loss and gradient, each parameter registered with its accumulator
-    as a tap while the loss is traced. When an op used a tap, the gradient is taken with the
-    micro-batch's weight as the seed (so the op adds ``weight * gradient`` into the tap
-    itself), returned as a flat list, and the last result lists the tapped accumulators as the
-    op left them (None elsewhere); when none was used, as ``jax.grad`` gives it, and None."""
+def _tapping(acc: Accumulation, fun: Any, args: tuple[Any, ...],
+             sums: Sums) -> tuple[Any, tuple[Any, Any], Any]:
+    """The micro-batch's loss as a function of the parameters and of their accumulators, each
+    parameter registered with its accumulator as a tap while the loss is traced; its
+    arguments; and ``finish``, which takes ``jax.vjp``'s result. When an op used a tap, the
+    gradient is taken with the micro-batch's weight as the seed (the op adds ``weight *
+    gradient`` into the tap itself) and returned as a flat list, with the tapped accumulators
+    as the op left them (None elsewhere); when none was used, as ``jax.grad`` gives it, and
+    None. (The caller calls ``jax.vjp``: no frame of this module between it and the loss.)"""
     params, tree = jax.tree.flatten(acc.differentiated(args))
     used: set[int] = set()
 
     def tapped(params: list[Any], accumulators: list[Any]) -> Any:
         with _sink.tapping(_sink.Taps(params, accumulators)) as taps:
-            out = with_weight(*acc.replace_differentiated(args, jax.tree.unflatten(tree, params)))
+            out = fun(*acc.replace_differentiated(args, jax.tree.unflatten(tree, params)))
         used.update(taps.used)
-        return out
+        loss, weight, aux, new_carry = _arguments.split_output(acc, out)
+        return loss, (weight, aux, new_carry)
 
-    loss, pullback, rest = jax.vjp(tapped, params, jax.tree.leaves(sums.grads), has_aux=True)
-    weight = rest[0]
-    if not used:
-        grads, _ = pullback(jnp.ones_like(loss))
-        return loss, rest, jax.tree.unflatten(tree, grads), None
-    w = jnp.ones((), jnp.float32) if weight is None else (
-        jnp.asarray(jax.lax.stop_gradient(weight)).astype(jnp.float32))
-    # a weight of 0 seeds 0: the op then computes nothing and its tap comes back unchanged
-    grads, accumulators = pullback(
-        jnp.where(w == 0, 0, _reductions.valid_weight(w)).astype(loss.dtype))
-    return loss, rest, grads, [a if i in used else None for i, a in enumerate(accumulators)]
+    def finish(loss: jax.Array, pullback: Any, rest: Any) -> tuple[Any, ...]:
+        if not used:
+            grads, _ = pullback(jnp.ones_like(loss))
+            return loss, rest, jax.tree.unflatten(tree, grads), None
+        w = jnp.ones((), jnp.float32) if rest[0] is None else (
+            jnp.asarray(jax.lax.stop_gradient(rest[0])).astype(jnp.float32))
+        # a weight of 0 seeds 0: the op then computes nothing and its tap comes back unchanged
+        grads, accumulators = pullback(
+            jnp.where(w == 0, 0, _reductions.valid_weight(w)).astype(loss.dtype))
+        return loss, rest, grads, [a if i in used else None for i, a in enumerate(accumulators)]
+
+    return tapped, (params, jax.tree.leaves(sums.grads)), finish
 
 
 def _added(sums: Any, seeded: list[Any], into: list[Any], w: jax.Array | None) -> Any:
@@ -177,7 +181,9 @@ def micro_step(
 
     args = acc.with_carry(acc.with_batch(args, take(acc, views, i)), sums.carry)
     if _sinks_allowed(acc, ops, out):
-        loss, (weight, aux, new_carry), grads, into = _into_sums(acc, with_weight, args, sums)
+        tapped, primals, finish = _tapping(acc, fun, args, sums)
+        loss, (weight, aux, new_carry), grads, into = finish(
+            *jax.vjp(tapped, *primals, has_aux=True))
     else:
         into = None
         grad_fun = jax.value_and_grad(with_weight, argnums=acc.argnums, has_aux=True)

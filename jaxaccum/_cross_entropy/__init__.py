@@ -79,6 +79,7 @@ def linear_cross_entropy(
         not integer, or an option not of its type.
       ValueError: for shapes that do not fit together (the message says which
         ``vocab_axis`` fits), an unknown ``reduction``, or an option out of its range.
+      NotImplementedError: for arrays sharded over the axes of an Explicit mesh.
 
     Examples:
       >>> import jax, jax.numpy as jnp, optax, jaxaccum
@@ -94,6 +95,7 @@ def linear_cross_entropy(
     param = weight  # as passed: inside jaxaccum's loop its accumulator is found by identity
     hidden, weight, labels, bias, weights = _checks.arrays(entry, hidden, weight, labels, bias,
                                                            weights, vocab_axis)
+    _checks.not_explicit(entry, hidden, weight, bias)
     config = Config(vocab_axis, _checks.chunk(entry, token_chunk, "token_chunk"),
                     _checks.chunk(entry, vocab_chunk, "vocab_chunk"),
                     *_checks.coefficients(entry, label_smoothing, z_loss))

@@ -60,6 +60,30 @@ def arrays(entry: str, hidden: Any, weight: Any, labels: Any, bias: Any, weights
     return hidden, weight, labels, bias, weights
 
 
+def _explicitly_sharded(x: jax.Array) -> bool:
+    """Whether ``x``'s type is sharded over an Explicit mesh axis."""
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    if mesh is None or getattr(mesh, "empty", True):
+        return False
+    explicit = {n for n, t in zip(mesh.axis_names, mesh.axis_types, strict=True)
+                if t == jax.sharding.AxisType.Explicit}
+    used: set[Any] = set()
+    spec = getattr(sharding, "spec", None)
+    for part in getattr(spec, "partitions", ()):
+        used.update(part if isinstance(part, tuple) else (part,))
+    return bool(explicit & used)
+
+
+def not_explicit(entry: str, *arrays: Any) -> None:
+    """Refuses arrays sharded over Explicit mesh axes (not supported yet)."""
+    if any(a is not None and _explicitly_sharded(a) for a in arrays):
+        raise NotImplementedError(
+            f"{entry}: arrays sharded over Explicit mesh axes are not supported yet; use a "
+            "mesh of AxisType.Auto axes (jax.make_mesh(..., axis_types=(AxisType.Auto, ...))),"
+            " or call it outside the mesh")
+
+
 def chunk(entry: str, value: Any, name: str) -> int:
     """A chunk size: a positive int."""
     return _validation.positive_int(value, name, entry)
