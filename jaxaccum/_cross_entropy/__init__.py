@@ -36,8 +36,9 @@ def linear_cross_entropy(
     Tokens are taken ``token_chunk`` at a time and the vocabulary ``vocab_chunk`` at a time;
     the largest buffer is one block of ``token_chunk x vocab_chunk`` float32 logits. The
     backward pass recomputes each block's logits instead of keeping them. Every sum (over the
-    vocabulary, the tokens and the chunks) is in float32; the products are in the inputs'
-    dtype, summed in float32, as on a GPU. Any vocabulary size works: a size that the chunk
+    vocabulary, the tokens and the chunks) is in float32. The logits' products are in the
+    inputs' dtype, summed in float32; the backward pass multiplies the logits' gradient in
+    float32, unrounded. Any vocabulary size works: a size that the chunk
     does not divide is masked, not padded. A token chunk whose labels are all
     ``ignore_index`` costs no matmul.
 

@@ -80,13 +80,14 @@ class Head(NamedTuple):
         return z
 
     def hidden_grad(self, dz: jax.Array, w: jax.Array) -> jax.Array:
-        """``dz @ w`` back to the tokens: ``(tokens, D)`` in float32."""
-        return lax.dot_general(dz.astype(w.dtype), w, (((1,), (self.vocab_axis,)), ((), ())),
+        """``dz @ w`` back to the tokens: ``(tokens, D)`` in float32. ``dz`` stays float32 (a
+        bfloat16 ``dz`` would round every logit's gradient: 2^-9 of each term)."""
+        return lax.dot_general(dz, w.astype(jnp.float32), (((1,), (self.vocab_axis,)), ((), ())),
                                preferred_element_type=jnp.float32)
 
     def weight_grad(self, dz: jax.Array, h: jax.Array) -> jax.Array:
         """The chunk's weight gradient ``dz.T @ h`` in the weight's layout, in float32."""
-        dz = dz.astype(h.dtype)
+        h = h.astype(jnp.float32)
         if self.vocab_axis == 0:
             return lax.dot_general(dz, h, (((0,), (0,)), ((), ())),
                                    preferred_element_type=jnp.float32)
