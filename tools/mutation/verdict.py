@@ -80,6 +80,10 @@ TESTS = {
     "jaxaccum/_train_step.py": [*REFERENCE, "tests/test_train_step.py", "tests/test_flax.py",
                                 "tests/test_runtime_count.py", "tests/test_carry.py",
                                 *PRECISION],
+    # the chunked cross-entropy and the sink it adds into: their own tests against float64
+    "jaxaccum/_cross_entropy/": ["tests/test_linear_cross_entropy.py",
+                                 "tests/test_lm_head_mesh.py"],
+    "jaxaccum/_sink.py": ["tests/test_linear_cross_entropy.py", "tests/test_one_way_through.py"],
 }
 for _module in ("jaxaccum/_reductions.py", "jaxaccum/_microbatches.py", "jaxaccum/_options.py",
                 "jaxaccum/_coupled.py", "jaxaccum/packing/"):
@@ -90,7 +94,10 @@ for _module in ("jaxaccum/_reductions.py", "jaxaccum/_microbatches.py", "jaxaccu
 # (the pair losses' tests: 1,240 s unmutated on the 2 busy cores, 280 s of CPU)
 TIMEOUT = {**{f"jaxaccum/packing/{m}.py": 420 for m in ("_layout", "_stream", "_losses")},
            "jaxaccum/contrastive/__init__.py": 1500, "jaxaccum/contrastive/_tiles.py": 1500,
-           "jaxaccum/contrastive/_ring.py": 1500}
+           "jaxaccum/contrastive/_ring.py": 1500,
+           **{f"jaxaccum/_cross_entropy/{m}.py": 480
+              for m in ("__init__", "_checks", "_chunks", "_vjp")},
+           "jaxaccum/_sink.py": 480}
 
 
 # One compilation cache for every mutant of a run (tests/conftest.py makes one per session
