@@ -376,3 +376,31 @@ def test_a_micro_batch_of_weight_0_adds_nothing_not_even_a_nan(how):
         jnp.asarray(a[keep]) for a in (hidden, labels, weights)))[0])(weight)
     assert np.isfinite(got[1]).all()
     assert max_rel_diff(got, want) < 1e-5
+
+
+@pytest.mark.parametrize("k", [2, 8, 32])
+def test_bfloat16_head_gradient_better_than_jax_cce(k):
+    """Under accumulation jax-cce's weight gradient is rounded to bfloat16 once per
+    micro-batch before the accumulator sums it; ours is summed in float32 to the end and
+    rounded once. The mean error shows it (the largest is one final rounding in both: at k = 1
+    they are equal); measured 1.41e-3 against 1.87e-3 to 1.94e-3."""
+    jax_cce = pytest.importorskip("jax_cce")  # a dev dependency: present in CI
+    rng = np.random.default_rng(k)
+    tokens, width, vocab = 512, 16, 1024
+    hidden = jnp.asarray(rng.normal(size=(tokens, width)), jnp.bfloat16)
+    weight = jnp.asarray(rng.normal(size=(vocab, width)) * 0.3, jnp.bfloat16)
+    labels = jnp.asarray(rng.integers(0, vocab, tokens), jnp.int32)
+
+    def grad(loss):  # every token has a label: the mean of equal micro-batches' means is exact
+        fn = jaxaccum.value_and_grad(lambda w, b: loss(b[0], w, b[1]), num_microbatches=k)
+        return fn(weight, (hidden, labels))[1]
+
+    ours = grad(functools.partial(jaxaccum.linear_cross_entropy, vocab_chunk=64))
+    theirs = grad(functools.partial(jax_cce.linear_cross_entropy, chunk_size=64))
+    with jax.enable_x64(True):
+        h64, w64 = (jnp.asarray(np.asarray(a, np.float64)) for a in (hidden, weight))
+        ref = np.asarray(jax.grad(lambda w: dense(h64, w, labels))(w64))
+    def error(g):  # mean |error| over mean |gradient|
+        return float(np.mean(np.abs(np.asarray(g, np.float64) - ref)) / np.mean(np.abs(ref)))
+
+    assert error(ours) < 0.9 * error(theirs), (error(ours), error(theirs))
