@@ -404,3 +404,31 @@ def test_bfloat16_head_gradient_better_than_jax_cce(k):
         return float(np.mean(np.abs(np.asarray(g, np.float64) - ref)) / np.mean(np.abs(ref)))
 
     assert error(ours) < 0.9 * error(theirs), (error(ours), error(theirs))
+
+
+def test_bfloat16_loss_value_is_float32_exact():
+    """bfloat16 hidden and weight: a product of two bfloat16 numbers is exact in float32, and
+    every sum is float32, so the loss is the float64 loss of the same bfloat16 values within
+    float32 rounding (a label logit or a log-sum-exp rounded to bfloat16 is off by 2^-9)."""
+    rng = np.random.default_rng(7)
+    hidden = jnp.asarray(rng.normal(size=(96, 16)), jnp.bfloat16)
+    weight = jnp.asarray(rng.normal(size=(300, 16)), jnp.bfloat16)
+    labels = jnp.asarray(rng.integers(0, 300, 96), jnp.int32)
+    got = jaxaccum.linear_cross_entropy(hidden, weight, labels, reduction="none",
+                                        vocab_chunk=64, label_smoothing=0.1, z_loss=1e-3)
+    with jax.enable_x64(True):
+        h64, w64 = (jnp.asarray(np.asarray(a, np.float64)) for a in (hidden, weight))
+        want = np.asarray(dense(h64, w64, labels, reduction="none", label_smoothing=0.1,
+                                z_loss=1e-3))
+    assert got.dtype == jnp.float32
+    logits = np.abs(np.asarray(h64 @ w64.T)).max()
+    assert np.max(np.abs(np.asarray(got, np.float64) - want)) <= 64 * EPS32 * logits
+
+
+def test_bfloat16_weights_are_counted_in_float32():
+    """257 tokens of weight 1 in bfloat16: their total is 257 (a bfloat16 sum stops at 256)."""
+    hidden, weight = jnp.ones((257, 2)), jnp.ones((3, 2))
+    labels = jnp.zeros(257, jnp.int32)
+    _, total = jaxaccum.linear_cross_entropy(hidden, weight, labels, reduction="weighted",
+                                             weights=jnp.ones(257, jnp.bfloat16))
+    assert total.dtype == jnp.float32 and float(total) == 257.0
