@@ -25,3 +25,11 @@ def test_auto_mesh_equals_one_device(out):
 def test_explicit_mesh_is_refused_with_the_fix(out):
     assert "Explicit mesh axes are not supported yet" in out["explicit"]["refused"]
     assert "AxisType.Auto" in out["explicit"]["refused"]
+
+
+def test_vocabulary_split_over_the_model_axis_equals_one_device_and_gathers_nothing(out):
+    """``axis_name="model"`` inside ``jax.shard_map``: each device its slice of the head, the
+    log-sum-exps combined over the axis; the compiled step all-gathers nothing."""
+    r = out["split/auto"]
+    assert r["rel"] <= EXACT, r
+    assert r["all_gather_bytes"] == 0, r

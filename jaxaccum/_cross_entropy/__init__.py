@@ -27,6 +27,7 @@ def linear_cross_entropy(
     label_smoothing: float = 0.0,
     z_loss: float = 0.0,
     vocab_axis: int = 0,
+    axis_name: str | None = None,
     token_chunk: int = 2048,
     vocab_chunk: int = 2048,
 ) -> Any:
@@ -67,6 +68,10 @@ def linear_cross_entropy(
       z_loss: the coefficient of the auxiliary ``log(sum(exp(logits)))**2`` term (PaLM's
         z-loss), added to each token's loss.
       vocab_axis: 0 or 1: the axis of ``weight`` that runs over the vocabulary.
+      axis_name: inside ``jax.shard_map``, the mesh axis the vocabulary is split over: each
+        device passes its slice of ``weight`` (and ``bias``), in the axis's order, and the same
+        ``hidden`` and ``labels`` (global ids). Each device computes its slice's log-sum-exp;
+        the slices are combined over the axis, and the weight is never gathered.
       token_chunk: tokens a chunk holds (at most; the last chunk may overlap the one before).
       vocab_chunk: vocabulary entries a chunk holds (at most).
 
@@ -99,9 +104,11 @@ def linear_cross_entropy(
     _checks.not_explicit(entry, hidden, weight, bias)
     config = Config(vocab_axis, _checks.chunk(entry, token_chunk, "token_chunk"),
                     _checks.chunk(entry, vocab_chunk, "vocab_chunk"),
-                    *_checks.coefficients(entry, label_smoothing, z_loss))
+                    *_checks.coefficients(entry, label_smoothing, z_loss),
+                    _checks.axis(entry, axis_name))
     _checks.reduction(entry, reduction)
-    vocab_size = weight.shape[vocab_axis]
+    vocab_size = weight.shape[vocab_axis] * (
+        1 if axis_name is None else jax.lax.psum(1, axis_name))
     shape, flat = labels.shape, labels.reshape(-1)
     active = flat != ignore_index
     in_range = (flat >= 0) & (flat < vocab_size)

@@ -106,3 +106,19 @@ def coefficients(entry: str, label_smoothing: Any, z_loss: Any) -> tuple[float, 
 def reduction(entry: str, value: Any) -> None:
     if value not in REDUCTIONS:
         raise ValueError(f"{entry}: reduction must be one of {REDUCTIONS}; got {value!r}")
+
+
+def axis(entry: str, name: Any) -> str | None:
+    """The vocabulary's mesh axis: None or the name of a ``jax.shard_map`` axis."""
+    if name is None:
+        return None
+    if not isinstance(name, str):
+        raise TypeError(f"{entry}: axis_name must be a mesh axis name (a str) or None; got "
+                        f"{name!r}")
+    try:
+        jax.lax.axis_index(name)
+    except NameError:
+        raise ValueError(f"{entry}: axis_name={name!r} is not an axis of the jax.shard_map "
+                         "this is called in: call it inside jax.shard_map(..., mesh=mesh) whose "
+                         "mesh has that axis, with the weight split over it") from None
+    return name

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxaccum._cross_entropy._chunks import Chunks, Head, chunks
+from jaxaccum.contrastive import _tiles
 
 
 class Config(NamedTuple):
@@ -33,6 +34,8 @@ class Config(NamedTuple):
       vocab_axis: the weight's vocabulary axis (0: ``(V, D)``, 1: ``(D, V)``).
       token_chunk, vocab_chunk: the largest chunk sizes.
       label_smoothing, z_loss: the loss's coefficients (Python floats).
+      axis_name: inside ``jax.shard_map``, the mesh axis the vocabulary is split over (each
+        device holds its slice of the weight, in order); None: the whole vocabulary here.
     """
 
     vocab_axis: int
@@ -40,11 +43,48 @@ class Config(NamedTuple):
     vocab_chunk: int
     label_smoothing: float
     z_loss: float
+    axis_name: str | None = None
 
 
 def _head(config: Config, weight: jax.Array, bias: jax.Array | None) -> Head:
     vocab = chunks(weight.shape[config.vocab_axis], config.vocab_chunk)
     return Head(weight, bias, config.vocab_axis, vocab)
+
+
+class Shard(NamedTuple):
+    """This device's slice of the vocabulary (the whole of it without an axis).
+
+    Attributes:
+      offset: the global id of the slice's first entry.
+      total: the whole vocabulary's size.
+      axes: the manual mesh axes the inputs vary over: a loop's carry updated from them
+        must be typed varying from the start.
+    """
+
+    offset: Any
+    total: Any
+    axes: tuple[str, ...]
+
+
+def _shard(config: Config, head: Head, *arrays: Any) -> Shard:
+    axes = _tiles.varying([a for a in arrays if a is not None])
+    if config.axis_name is None:
+        return Shard(0, head.vocab.total, axes)
+    size = lax.psum(1, config.axis_name)
+    return Shard(lax.axis_index(config.axis_name) * head.vocab.total,
+                 head.vocab.total * size, axes)
+
+
+def _combined(config: Config, lse: jax.Array, label: jax.Array,
+              everything: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Each device's log-sum-exp, label logit and logit sum over its slice, combined over the
+    vocabulary's axis: a log-sum-exp of the log-sum-exps, and sums."""
+    if config.axis_name is None:
+        return lse, label, everything
+    name = config.axis_name
+    top = lax.pmax(lse, name)
+    lse = top + jnp.log(lax.psum(jnp.exp(lse - top), name))
+    return lse, lax.psum(label, name), lax.psum(everything, name)
 
 
 def _token_block(tokens: Chunks, i: jax.Array, *arrays: jax.Array) -> list[jax.Array]:
@@ -70,8 +110,9 @@ def _statistics(config: Config, head: Head, h: jax.Array) -> tuple[jax.Array, ja
         return new_top, total, everything
 
     zeros = jnp.zeros(h.shape[0], jnp.float32)
+    axes = _tiles.varying([x for x in (h, head.weight, head.bias) if x is not None])
     top, total, everything = lax.fori_loop(
-        0, vocab.number, step, (jnp.full_like(zeros, -jnp.inf), zeros, zeros))
+        0, vocab.number, step, _tiles.vary(axes, (jnp.full_like(zeros, -jnp.inf), zeros, zeros)))
     return top + jnp.log(total), everything
 
 
@@ -90,30 +131,34 @@ def _forward(config: Config, hidden: jax.Array, weight: jax.Array, bias: jax.Arr
     """The per-token loss and log-sum-exp, ``(T,)`` float32 each (0 on chunks of no active
     token, whose matmuls are skipped)."""
     head, tokens = _head(config, weight, bias), chunks(hidden.shape[0], config.token_chunk)
-    eps, vocab_size = config.label_smoothing, head.vocab.total
+    shard = _shard(config, head, hidden, weight, bias)
+    local = labels - shard.offset  # a label in another device's slice matches no column here
+    mine = (local >= 0) & (local < head.vocab.total)
 
-    def step(i: jax.Array, out: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
-        h, y, a = _token_block(tokens, i, hidden, labels, active)
+    def step(i: jax.Array, out: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+        h, y, m, a = _token_block(tokens, i, hidden, local, mine, active)
 
-        def compute() -> tuple[jax.Array, jax.Array]:
+        def compute() -> tuple[jax.Array, ...]:
             lse, everything = _statistics(config, head, h)
-            label = _label_logit(head, h, y)
-            loss = lse - (1 - eps) * label + config.z_loss * lse**2
-            return loss - eps / vocab_size * everything, lse
+            label = jnp.where(m, _label_logit(head, h, jnp.where(m, y, 0)), 0.0)
+            return _tiles.vary(shard.axes, (lse, label, everything))
 
-        zeros = jnp.zeros(tokens.size, jnp.float32)
-        block = lax.cond(jnp.any(a), compute, lambda: (zeros, zeros))
+        zeros = _tiles.vary(shard.axes, (jnp.zeros(tokens.size, jnp.float32),) * 3)
+        block = lax.cond(jnp.any(a), compute, lambda: zeros)
         # the last chunk's overlap is written again with the same values
-        return tuple(lax.dynamic_update_slice_in_dim(o, b, tokens.start(i), 0)  # type: ignore[return-value]
+        return tuple(lax.dynamic_update_slice_in_dim(o, b, tokens.start(i), 0)
                      for o, b in zip(out, block, strict=True))
 
-    zeros = jnp.zeros(hidden.shape[0], jnp.float32)
-    return lax.fori_loop(0, tokens.number, step, (zeros, zeros))
+    init = _tiles.vary(shard.axes, (jnp.zeros(hidden.shape[0], jnp.float32),) * 3)
+    lse, label, everything = _combined(config, *lax.fori_loop(0, tokens.number, step, init))
+    eps = config.label_smoothing
+    loss = lse - (1 - eps) * label + config.z_loss * lse**2 - eps / shard.total * everything
+    return loss, lse
 
 
 def _logit_grad(config: Config, head: Head, z: jax.Array, start: jax.Array, y: jax.Array,
-                g: jax.Array, lse: jax.Array, rows: jax.Array,
-                new: jax.Array | None) -> jax.Array:
+                g: jax.Array, lse: jax.Array, rows: jax.Array, new: jax.Array | None,
+                vocab_size: Any) -> jax.Array:
     """d(loss)/d(logits) of one block times the tokens' cotangents ``g``; 0 off ``rows`` (the
     chunk's active tokens no earlier chunk holds) and off ``new`` (its columns ditto)."""
     column = start + jnp.arange(head.vocab.size)
@@ -122,12 +167,12 @@ def _logit_grad(config: Config, head: Head, z: jax.Array, start: jax.Array, y: j
     dz = (g * (1 + 2 * config.z_loss * lse))[:, None] * p
     dz = dz - jnp.where(column == y[:, None], (g * (1 - eps))[:, None], 0.0)
     if eps:
-        dz = dz - (g * eps / head.vocab.total)[:, None]
+        dz = dz - (g * eps / vocab_size)[:, None]
     keep = rows[:, None] if new is None else rows[:, None] & new[None, :]
     return jnp.where(keep, dz, 0.0)
 
 
-def _vocab_chunk_grads(config: Config, head: Head, tokens: Chunks, j: jax.Array,
+def _vocab_chunk_grads(config: Config, head: Head, tokens: Chunks, shard: Shard, j: jax.Array,
                        residuals: tuple[jax.Array, ...],
                        dh: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Vocabulary chunk j's weight and bias gradients (float32, summed over every token
@@ -142,19 +187,22 @@ def _vocab_chunk_grads(config: Config, head: Head, tokens: Chunks, j: jax.Array,
         h, y, a, lse_i, g_i = _token_block(tokens, i, hidden, labels, active, lse, g)
         rows = a & tokens.new(i) if tokens.overlaps else a  # the overlap is counted once
 
-        def compute() -> tuple[jax.Array, jax.Array, jax.Array]:
+        def compute() -> tuple[jax.Array, ...]:
             dz = _logit_grad(config, head, head.logits(h, w, start), start, y, g_i, lse_i,
-                             rows, new)
-            return head.hidden_grad(dz, w), head.weight_grad(dz, h), jnp.sum(dz, axis=0)
+                             rows, new, shard.total)
+            return _tiles.vary(shard.axes, (head.hidden_grad(dz, w), head.weight_grad(dz, h),
+                                            jnp.sum(dz, axis=0)))
 
-        skip = (jnp.zeros((tokens.size, hidden.shape[1]), jnp.float32),
-                jnp.zeros(w.shape, jnp.float32), jnp.zeros(head.vocab.size, jnp.float32))
+        skip = _tiles.vary(shard.axes, (jnp.zeros((tokens.size, hidden.shape[1]), jnp.float32),
+                                        jnp.zeros(w.shape, jnp.float32),
+                                        jnp.zeros(head.vocab.size, jnp.float32)))
         dh_i, dw_i, db_i = lax.cond(jnp.any(rows), compute, lambda: skip)
         old = lax.dynamic_slice_in_dim(dh, tokens.start(i), tokens.size)
         dh = lax.dynamic_update_slice_in_dim(dh, old + dh_i, tokens.start(i), 0)
         return dh, dw + dw_i, db + db_i
 
-    init = (dh, jnp.zeros(w.shape, jnp.float32), jnp.zeros(head.vocab.size, jnp.float32))
+    init = _tiles.vary(shard.axes, (dh, jnp.zeros(w.shape, jnp.float32),
+                                    jnp.zeros(head.vocab.size, jnp.float32)))
     dh, dw, db = lax.fori_loop(0, tokens.number, step, init)
     return dw, db, dh
 
@@ -176,13 +224,15 @@ def _grads(config: Config, residuals: tuple[Any, ...], g: jax.Array,
     """The gradients of hidden, weight (added into ``into`` when given) and bias."""
     hidden, weight, bias, labels, active, lse = residuals
     head, tokens = _head(config, weight, bias), chunks(hidden.shape[0], config.token_chunk)
+    shard = _shard(config, head, hidden, weight, bias)
     g = jnp.where(active, g.astype(jnp.float32), 0.0)  # an inactive token has no gradient
-    residual = (hidden, labels, active & (g != 0), lse, g)  # (a token of cotangent 0 costs
-    # nothing: with every cotangent 0 no block is computed, and ``into`` comes back as it was)
+    residual = (hidden, labels - shard.offset, active & (g != 0), lse, g)  # (a token of
+    # cotangent 0 costs nothing: with every cotangent 0 no block is computed, and ``into``
+    # comes back as it was; a label of another device's slice matches no column here)
 
     def step(j: jax.Array, carry: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
         dh, dweight, dbias = carry
-        dw, db, dh = _vocab_chunk_grads(config, head, tokens, j, residual, dh)
+        dw, db, dh = _vocab_chunk_grads(config, head, tokens, shard, j, residual, dh)
         start = head.vocab.start(j)
         new = head.vocab.new(j) if head.vocab.overlaps else None
         dweight = _write(dweight, dw, start, new, config.vocab_axis, add=into is not None)
@@ -190,11 +240,14 @@ def _grads(config: Config, residuals: tuple[Any, ...], g: jax.Array,
             dbias = _write(dbias, db, start, new, 0, add=False)
         return dh, dweight, dbias
 
-    init = (jnp.zeros(hidden.shape, jnp.float32),
-            jnp.zeros_like(weight) if into is None else into,
-            None if bias is None else jnp.zeros_like(bias))
-    dh, dweight, dbias = lax.fori_loop(0, head.vocab.number, step, init)
-    return dh.astype(hidden.dtype), dweight, dbias
+    init = _tiles.vary(shard.axes, (jnp.zeros(hidden.shape, jnp.float32),
+                                    jnp.zeros_like(weight) if into is None else into,
+                                    None if bias is None else jnp.zeros_like(bias)))
+    dh, dweight, dbias = lax.fori_loop(0, head.vocab.number,
+                                       step, init)
+    if config.axis_name is not None:  # every device's slice adds to each token's gradient
+        dh = lax.psum(dh, config.axis_name)
+    return _tiles.cotangent_of(dh, hidden), dweight, dbias
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

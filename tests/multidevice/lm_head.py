@@ -1,11 +1,13 @@
 """``jaxaccum.linear_cross_entropy`` in a jaxaccum step on a (4, 2) data x model mesh of host
 devices, the head's vocabulary sharded over "model" (the rest replicated, the batch over
 "data"), Auto axes: loss and gradients against one device, and each device's compiled temp
-beside one device's; Explicit axes: refused with a message. Prints
-``{"<axis type>": {...}}``."""
+beside one device's; the same with the head inside ``jax.shard_map`` over "model"
+(``axis_name``: each device its slice of the vocabulary, no gather); Explicit axes: refused
+with a message. Prints ``{"<axis type>": {...}, "split/auto": {...}}``."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -15,8 +17,9 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxaccum
+from jaxaccum._xla import hlo as _hlo
 
-from .common import accumulation_options, emit, memory, rel_diff
+from .common import accumulation_options, emit, hlo_text, memory, rel_diff
 
 V, D, T, K = 1_000, 16, 512, 4  # a vocabulary its chunk (96) does not divide
 
@@ -27,6 +30,21 @@ def loss(params: Any, batch: Any) -> Any:
     return jaxaccum.linear_cross_entropy(hidden, params["head"], labels, reduction="weighted",
                                          vocab_chunk=96, token_chunk=48, z_loss=1e-3,
                                          label_smoothing=0.1)
+
+
+def split_loss(mesh: jax.sharding.Mesh) -> Any:
+    """The loss with the head inside ``jax.shard_map`` over "model": each device its slice of
+    the vocabulary (``axis_name="model"``), the slices combined over the axis."""
+    def fun(params: Any, batch: Any) -> Any:
+        x, labels = batch
+        hidden = jnp.tanh(x @ params["mix"])
+        head = functools.partial(
+            jaxaccum.linear_cross_entropy, reduction="weighted", vocab_chunk=96,
+            token_chunk=48, z_loss=1e-3, label_smoothing=0.1, axis_name="model")
+        return jax.shard_map(head, in_specs=(P(), P("model", None), P()),
+                             out_specs=(P(), P()), axis_names={"model"})(
+            hidden, params["head"], labels)
+    return fun
 
 
 def main() -> None:
@@ -54,6 +72,18 @@ def main() -> None:
             except NotImplementedError as error:
                 out[kind.name.lower()] = {"refused": str(error)}
                 continue
+            split = jax.jit(jaxaccum.value_and_grad(split_loss(mesh), num_microbatches=K,
+                                                    weighted=True,
+                                                    **accumulation_options(mesh, "data")))
+            got_split = split(p, b)
+            split_compiled = split.lower(p, b).compile()
+            out["split/" + kind.name.lower()] = {
+                "rel": rel_diff(got_split, ref),
+                "temp": memory(split_compiled).temp_size_in_bytes,
+                "all_gather_bytes": max([size for op, _, size, _ in
+                                         _hlo.collectives(hlo_text(split_compiled))
+                                         if op == "all-gather"], default=0),
+            }
             compiled = fn.lower(p, b).compile()
         out[kind.name.lower()] = {
             "rel": rel_diff(got, ref),
