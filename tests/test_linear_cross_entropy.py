@@ -282,9 +282,11 @@ def test_a_chunk_of_ignored_tokens_is_skipped():
 
 
 def test_a_label_out_of_range_gives_nan():
-    out = jaxaccum.linear_cross_entropy(jnp.ones((3, 2)), jnp.ones((5, 2)), jnp.array([0, 5, 1]),
-                                        reduction="none")
-    assert np.isnan(out[1]) and np.isfinite(out[jnp.array([0, 2])]).all()
+    """V and -1 (not the ignore label -100) are out of range: NaN, never a row of the weight
+    (a negative index would wrap to the last one)."""
+    out = jaxaccum.linear_cross_entropy(jnp.ones((4, 2)), jnp.ones((5, 2)),
+                                        jnp.array([0, 5, 1, -1]), reduction="none")
+    assert np.isnan(out[jnp.array([1, 3])]).all() and np.isfinite(out[jnp.array([0, 2])]).all()
 
 
 def test_bad_input_names_the_fix():
