@@ -33,3 +33,10 @@ def test_vocabulary_split_over_the_model_axis_equals_one_device_and_gathers_noth
     r = out["split/auto"]
     assert r["rel"] <= EXACT, r
     assert r["all_gather_bytes"] == 0, r
+
+
+def test_one_data_device_and_the_vocabulary_over_eight(out):
+    """A (1, 8) mesh: the data axis splits nothing, so the step takes no shard_map of its own
+    (XLA cannot partition the loss's own shard_map collectives inside one over an axis of
+    size 1); the split vocabulary still equals one device."""
+    assert out["split-1x8/auto"]["rel"] <= EXACT, out["split-1x8/auto"]

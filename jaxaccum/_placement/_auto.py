@@ -41,6 +41,10 @@ class AutoMesh(DataAxes):
         def placed(acc: Accumulation, args: tuple[Any, ...], k: int, count: Any) -> Result:
             refuse(self, acc, args)
             args = tuple(jax.tree.map(jnp.asarray, a) for a in args)
+            if self.devices == 1 and not self.dp.explicit:
+                # one data device splits nothing: no shard_map (inside one over axes of size 1,
+                # XLA cannot partition the collectives of a shard_map the loss makes itself)
+                return per_device(acc, args, k, count, base.ONE_DEVICE)
             if self.dp.explicit:  # the coupled losses' forward pass: the batch where it splits
                 args = tuple(jax.tree.map(lambda x: self.reshard(
                     x, _specs.leading(self.axes, x.ndim, acc.stacked)), a) if i in acc.split

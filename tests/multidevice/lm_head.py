@@ -90,6 +90,16 @@ def main() -> None:
             "temp": memory(compiled).temp_size_in_bytes,
             "head_grad_sharding": str(got[1]["head"].sharding.spec),
         }
+    # one data device and the vocabulary over all eight (tensor parallelism alone)
+    mesh = jax.make_mesh((1, 8), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+    with jax.set_mesh(mesh):
+        p = {"mix": jax.device_put(params["mix"], NamedSharding(mesh, P())),
+             "head": jax.device_put(params["head"], NamedSharding(mesh, P("model", None)))}
+        b = jax.device_put(batch, NamedSharding(mesh, P("data")))
+        got = jax.jit(jaxaccum.value_and_grad(split_loss(mesh), num_microbatches=K,
+                                              weighted=True,
+                                              **accumulation_options(mesh, "data")))(p, b)
+    out["split-1x8/auto"] = {"rel": rel_diff(got, ref)}
     emit(out)
 
 
