@@ -303,6 +303,28 @@ def test_bad_input_names_the_fix():
         jaxaccum.linear_cross_entropy(h, w.T, y, vocab_chunk=0)
 
 
+def test_a_vocabulary_axis_that_cannot_split_names_the_fix():
+    """``axis_name`` with no mesh that has the axis, on a mesh whose axis size does not divide
+    V, and on an Explicit axis: refused at trace time, each with what to do."""
+    from jax.sharding import AbstractMesh, AxisType
+
+    h, w, y = jnp.ones((3, 4)), jnp.ones((9, 4)), jnp.zeros(3, jnp.int32)
+
+    def traced(mesh_axis_type, size):
+        mesh = AbstractMesh((size,), ("model",), axis_types=(mesh_axis_type,))
+        with jax.sharding.use_abstract_mesh(mesh):
+            jax.eval_shape(functools.partial(jaxaccum.linear_cross_entropy, axis_name="model"),
+                           h, w, y)
+
+    with refuses(ValueError, "neither an axis of the mesh in context nor of a jax.shard_map"):
+        jaxaccum.linear_cross_entropy(h, w, y, axis_name="model")
+    with refuses(ValueError, "pad the weight's vocabulary axis to a multiple of 2"):
+        traced(AxisType.Auto, 2)
+    with refuses(NotImplementedError, "make the mesh's axes AxisType.Auto"):
+        traced(AxisType.Explicit, 1)
+    traced(AxisType.Auto, 3)  # 9 splits over 3
+
+
 def test_the_head_gradient_goes_into_the_accumulator():
     """In a jaxaccum step over k = 4 micro-batches the compiled temp holds no buffer of the
     weight's size: each chunk's gradient is added into the step's accumulator in place (the

@@ -40,3 +40,24 @@ def test_one_data_device_and_the_vocabulary_over_eight(out):
     (XLA cannot partition the loss's own shard_map collectives inside one over an axis of
     size 1); the split vocabulary still equals one device."""
     assert out["split-1x8/auto"]["rel"] <= EXACT, out["split-1x8/auto"]
+
+
+def test_axis_name_outside_shard_map_splits_the_vocabulary_itself(out):
+    """``axis_name="model"`` called in the step with no ``shard_map`` of the caller's: the loss
+    splits the vocabulary over the mesh's axis itself; equal to one device on (4, 2) and on
+    (1, 8), and nothing is all-gathered."""
+    for key in ("wrap/auto", "wrap-1x8/auto"):
+        assert out[key]["rel"] <= EXACT, (key, out[key])
+    assert out["wrap/auto"]["all_gather_bytes"] == 0, out["wrap/auto"]
+
+
+def test_each_device_holds_no_gradient_of_its_weight_slice(out):
+    """Compiled at V = 16,384, D = 256 (a float32 slice of 8 MiB per device on (4, 2)). Every
+    step holds one slice-sized buffer: the accumulator's sum over the data axis, once per step.
+    Split by the loss itself, each device adds its slice's gradient into its slice of the
+    accumulator, so nothing else of that size is left; inside a ``shard_map`` of the caller's the
+    weight is a new value, and its gradient takes a second slice-sized buffer. Each device's
+    temp is then about 1/2 (1/tensor) of that with the whole vocabulary on every device."""
+    m = out["memory"]
+    assert m["wrap_4x2"] < 1.5 * m["slice_bytes"] <= m["split_4x2"], m
+    assert m["wrap_4x2"] <= 0.6 * m["plain_4x1"], m

@@ -9,8 +9,8 @@ import jax.numpy as jnp
 from jax.typing import ArrayLike
 
 from jaxaccum import _sink
-from jaxaccum._cross_entropy import _checks
-from jaxaccum._cross_entropy._vjp import Config, per_token, per_token_into
+from jaxaccum._cross_entropy import _checks, _split
+from jaxaccum._cross_entropy._vjp import Config
 
 Reduction = Literal["mean", "sum", "none", "weighted"]
 
@@ -68,10 +68,15 @@ def linear_cross_entropy(
       z_loss: the coefficient of the auxiliary ``log(sum(exp(logits)))**2`` term (PaLM's
         z-loss), added to each token's loss.
       vocab_axis: 0 or 1: the axis of ``weight`` that runs over the vocabulary.
-      axis_name: inside ``jax.shard_map``, the mesh axis the vocabulary is split over: each
-        device passes its slice of ``weight`` (and ``bias``), in the axis's order, and the same
-        ``hidden`` and ``labels`` (global ids). Each device computes its slice's log-sum-exp;
-        the slices are combined over the axis, and the weight is never gathered.
+      axis_name: the mesh axis the vocabulary is split over (tensor parallelism), or None.
+        Under a mesh whose axis of that name is Auto (``jax.set_mesh``, or a jaxaccum step on
+        that mesh), pass the whole sharded ``weight``: the loss splits the vocabulary over the
+        axis itself, and inside jaxaccum's micro-batch loop each device adds its slice's
+        gradient into its slice of the accumulator. Inside a ``jax.shard_map`` over the axis,
+        each device passes its slice of ``weight`` (and ``bias``), in the axis's order. Either
+        way every device passes the same ``hidden`` and ``labels`` (global ids), computes its
+        slice's log-sum-exp, and the slices are combined over the axis; the weight is never
+        gathered. V must split evenly over the axis.
       token_chunk: tokens a chunk holds (at most; the last chunk may overlap the one before).
       vocab_chunk: vocabulary entries a chunk holds (at most).
 
@@ -84,8 +89,11 @@ def linear_cross_entropy(
       TypeError: if ``hidden``, ``weight``, ``bias`` or ``weights`` is not floating, ``labels``
         not integer, or an option not of its type.
       ValueError: for shapes that do not fit together (the message says which
-        ``vocab_axis`` fits), an unknown ``reduction``, or an option out of its range.
-      NotImplementedError: for arrays sharded over the axes of an Explicit mesh.
+        ``vocab_axis`` fits), an unknown ``reduction``, an option out of its range, an
+        ``axis_name`` of no mesh in context or ``shard_map``, or a V that does not split evenly
+        over it.
+      NotImplementedError: for arrays sharded over the axes of an Explicit mesh, or an
+        ``axis_name`` that is an Explicit axis.
 
     Examples:
       >>> import jax, jax.numpy as jnp, optax, jaxaccum
@@ -102,23 +110,27 @@ def linear_cross_entropy(
     hidden, weight, labels, bias, weights = _checks.arrays(entry, hidden, weight, labels, bias,
                                                            weights, vocab_axis)
     _checks.not_explicit(entry, hidden, weight, bias)
+    axis_name, split_here = _checks.axis(entry, axis_name)
     config = Config(vocab_axis, _checks.chunk(entry, token_chunk, "token_chunk"),
                     _checks.chunk(entry, vocab_chunk, "vocab_chunk"),
-                    *_checks.coefficients(entry, label_smoothing, z_loss),
-                    _checks.axis(entry, axis_name))
+                    *_checks.coefficients(entry, label_smoothing, z_loss), axis_name)
     _checks.reduction(entry, reduction)
-    vocab_size = weight.shape[vocab_axis] * (
-        1 if axis_name is None else jax.lax.psum(1, axis_name))
+    vocab_size = weight.shape[vocab_axis]
+    if split_here:
+        _checks.divides(entry, vocab_size, str(axis_name))
+    elif axis_name is not None:  # inside shard_map: this device holds one slice
+        vocab_size = vocab_size * jax.lax.psum(1, axis_name)
     shape, flat = labels.shape, labels.reshape(-1)
     active = flat != ignore_index
     in_range = (flat >= 0) & (flat < vocab_size)
     with jax.named_scope("linear_cross_entropy"):
         loss = jnp.zeros(flat.shape, jnp.float32)
         if flat.size:
-            operands = (config, hidden.reshape(-1, hidden.shape[-1]), weight, bias,
-                        jnp.where(in_range, flat, 0), active & in_range)
             tap = _sink.tap_for(param)  # the weight's accumulator, or None
-            loss = per_token(*operands) if tap is None else per_token_into(*operands, tap)
+            loss = (_split.over_axis if split_here else _split.losses)(
+                config, hidden.reshape(-1, hidden.shape[-1]), weight,
+                None if bias is None else jnp.asarray(bias),
+                jnp.where(in_range, flat, 0), active & in_range, tap)
         # a label neither in range nor ignored: NaN, never a silently wrong loss
         loss = jnp.where(active, jnp.where(in_range, loss, jnp.nan), 0.0)
         w = jnp.ones(flat.shape, jnp.float32) if weights is None else (

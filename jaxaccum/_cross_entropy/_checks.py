@@ -108,17 +108,38 @@ def reduction(entry: str, value: Any) -> None:
         raise ValueError(f"{entry}: reduction must be one of {REDUCTIONS}; got {value!r}")
 
 
-def axis(entry: str, name: Any) -> str | None:
-    """The vocabulary's mesh axis: None or the name of a ``jax.shard_map`` axis."""
+def axis(entry: str, name: Any) -> tuple[str | None, bool]:
+    """The vocabulary's mesh axis (None or an axis name), and whether this call must split the
+    vocabulary over it itself (the axis is one of the context mesh's, not yet manual) rather than
+    being inside a ``jax.shard_map`` over it already."""
     if name is None:
-        return None
+        return None, False
     if not isinstance(name, str):
         raise TypeError(f"{entry}: axis_name must be a mesh axis name (a str) or None; got "
                         f"{name!r}")
+    mesh = jax.sharding.get_abstract_mesh()
+    types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True)) if not mesh.empty else {}
+    if types.get(name) == jax.sharding.AxisType.Explicit:
+        raise NotImplementedError(
+            f"{entry}: axis_name={name!r} is an Explicit axis of the mesh in context; a "
+            "vocabulary split over Explicit axes is not supported yet: make the mesh's axes "
+            "AxisType.Auto (jax.make_mesh(..., axis_types=(AxisType.Auto, ...)))")
+    if types.get(name) == jax.sharding.AxisType.Auto:
+        return name, True
     try:
         jax.lax.axis_index(name)
     except NameError:
-        raise ValueError(f"{entry}: axis_name={name!r} is not an axis of the jax.shard_map "
-                         "this is called in: call it inside jax.shard_map(..., mesh=mesh) whose "
-                         "mesh has that axis, with the weight split over it") from None
-    return name
+        raise ValueError(f"{entry}: axis_name={name!r} is neither an axis of the mesh in "
+                         "context nor of a jax.shard_map this is called in: call it under "
+                         "jax.set_mesh(mesh) (or in a jaxaccum step on that mesh) whose mesh has "
+                         "that axis, with the weight's vocabulary sharded over it") from None
+    return name, False
+
+
+def divides(entry: str, vocab: int, name: str) -> None:
+    """The vocabulary splits evenly over the axis ``name`` of the context mesh."""
+    size = jax.sharding.get_abstract_mesh().shape[name]
+    if vocab % size:
+        raise ValueError(f"{entry}: the vocabulary ({vocab}) must split evenly over axis_name="
+                         f"{name!r} of size {size}; pad the weight's vocabulary axis to a "
+                         f"multiple of {size} (labels never reach the padding)")

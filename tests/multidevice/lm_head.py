@@ -2,8 +2,11 @@
 devices, the head's vocabulary sharded over "model" (the rest replicated, the batch over
 "data"), Auto axes: loss and gradients against one device, and each device's compiled temp
 beside one device's; the same with the head inside ``jax.shard_map`` over "model"
-(``axis_name``: each device its slice of the vocabulary, no gather); Explicit axes: refused
-with a message. Prints ``{"<axis type>": {...}, "split/auto": {...}}``."""
+(``axis_name``: each device its slice of the vocabulary, no gather), and with ``axis_name``
+called outside any ``shard_map`` (the loss splits the vocabulary itself, each device's slice
+of the head gradient added into its slice of the accumulator); Explicit axes: refused with a
+message. At a larger head (compiled, not run), each device's temp on (4, 2) and on (4, 1).
+Prints ``{"<axis type>": {...}, "split/auto": {...}, "wrap/auto": {...}, "memory": {...}}``."""
 
 from __future__ import annotations
 
@@ -47,6 +50,61 @@ def split_loss(mesh: jax.sharding.Mesh) -> Any:
     return fun
 
 
+def wrap_loss(params: Any, batch: Any) -> Any:
+    """The loss with ``axis_name="model"`` and no ``shard_map`` of the caller's: the loss
+    splits the vocabulary over the context mesh's "model" axis itself."""
+    x, labels = batch
+    hidden = jnp.tanh(x @ params["mix"])
+    return jaxaccum.linear_cross_entropy(hidden, params["head"], labels, reduction="weighted",
+                                         vocab_chunk=96, token_chunk=48, z_loss=1e-3,
+                                         label_smoothing=0.1, axis_name="model")
+
+
+def step_temp(fun: Any, shape: tuple[int, int], vocab: int, width: int, tokens: int) -> int:
+    """Each device's compiled temp of a k = 4 step of ``fun`` on a data x model mesh of
+    ``shape`` (Auto axes), the head's vocabulary over "model"."""
+    mesh = jax.make_mesh(shape, ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+    params = {"mix": jax.ShapeDtypeStruct((width, width), jnp.float32,
+                                          sharding=NamedSharding(mesh, P())),
+              "head": jax.ShapeDtypeStruct((vocab, width), jnp.float32,
+                                           sharding=NamedSharding(mesh, P("model", None)))}
+    batch = (jax.ShapeDtypeStruct((tokens, width), jnp.float32,
+                                  sharding=NamedSharding(mesh, P("data"))),
+             jax.ShapeDtypeStruct((tokens,), jnp.int32, sharding=NamedSharding(mesh, P("data"))))
+    with jax.set_mesh(mesh):
+        step = jax.jit(jaxaccum.value_and_grad(fun, num_microbatches=K, weighted=True,
+                                               **accumulation_options(mesh, "data")))
+        return int(memory(step.lower(params, batch).compile()).temp_size_in_bytes)
+
+
+def memory_at_size() -> dict[str, Any]:
+    """V = 16,384, D = 256, 4,096 tokens: the head's float32 slice on a device of (4, 2) is
+    8 MiB. Each device's temp with ``axis_name`` outside any shard_map ("wrap"), inside one of
+    the caller's ("split"), on (4, 2), and with the whole vocabulary on each device (4, 1)."""
+    vocab, width, tokens = 16_384, 256, 4_096
+
+    def plain(params: Any, batch: Any) -> Any:
+        return jaxaccum.linear_cross_entropy(jnp.tanh(batch[0] @ params["mix"]), params["head"],
+                                             batch[1], reduction="weighted")
+
+    def wrap(params: Any, batch: Any) -> Any:
+        return jaxaccum.linear_cross_entropy(jnp.tanh(batch[0] @ params["mix"]), params["head"],
+                                             batch[1], reduction="weighted", axis_name="model")
+
+    def split(params: Any, batch: Any) -> Any:
+        head = functools.partial(jaxaccum.linear_cross_entropy, reduction="weighted",
+                                 axis_name="model")
+        return jax.shard_map(head, in_specs=(P(), P("model", None), P()),
+                             out_specs=(P(), P()), axis_names={"model"})(
+            jnp.tanh(batch[0] @ params["mix"]), params["head"], batch[1])
+
+    sizes = (vocab, width, tokens)
+    return {"slice_bytes": vocab // 2 * width * 4,
+            "wrap_4x2": step_temp(wrap, (4, 2), *sizes),
+            "split_4x2": step_temp(split, (4, 2), *sizes),
+            "plain_4x1": step_temp(plain, (4, 1), *sizes)}
+
+
 def main() -> None:
     rng = np.random.default_rng(0)
     params = {"mix": (rng.normal(size=(D, D)) / 4).astype(np.float32),
@@ -76,6 +134,13 @@ def main() -> None:
                                                     weighted=True,
                                                     **accumulation_options(mesh, "data")))
             got_split = split(p, b)
+            wrap = jax.jit(jaxaccum.value_and_grad(wrap_loss, num_microbatches=K,
+                                                   weighted=True,
+                                                   **accumulation_options(mesh, "data")))
+            out["wrap/" + kind.name.lower()] = {
+                "rel": rel_diff(wrap(p, b), ref),
+                "all_gather_bytes": max([size for op, _, size, _ in _hlo.collectives(
+                    hlo_text(wrap.lower(p, b).compile())) if op == "all-gather"], default=0)}
             split_compiled = split.lower(p, b).compile()
             out["split/" + kind.name.lower()] = {
                 "rel": rel_diff(got_split, ref),
@@ -99,7 +164,12 @@ def main() -> None:
         got = jax.jit(jaxaccum.value_and_grad(split_loss(mesh), num_microbatches=K,
                                               weighted=True,
                                               **accumulation_options(mesh, "data")))(p, b)
+        got_wrap = jax.jit(jaxaccum.value_and_grad(wrap_loss, num_microbatches=K,
+                                                   weighted=True,
+                                                   **accumulation_options(mesh, "data")))(p, b)
     out["split-1x8/auto"] = {"rel": rel_diff(got, ref)}
+    out["wrap-1x8/auto"] = {"rel": rel_diff(got_wrap, ref)}
+    out["memory"] = memory_at_size()
     emit(out)
 
 

@@ -96,7 +96,7 @@ TIMEOUT = {**{f"jaxaccum/packing/{m}.py": 420 for m in ("_layout", "_stream", "_
            "jaxaccum/contrastive/__init__.py": 1500, "jaxaccum/contrastive/_tiles.py": 1500,
            "jaxaccum/contrastive/_ring.py": 1500,
            **{f"jaxaccum/_cross_entropy/{m}.py": 480
-              for m in ("__init__", "_checks", "_chunks", "_vjp")},
+              for m in ("__init__", "_checks", "_chunks", "_split", "_vjp")},
            "jaxaccum/_sink.py": 480}
 
 
