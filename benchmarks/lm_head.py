@@ -1,10 +1,13 @@
-"""The output layer of a language model: dense logits, jax-cce and jaxaccum's chunked loss.
+"""The output layer of a language model: dense logits, jax-cce, tokamax and jaxaccum's loss.
 
 - ``alone``: value and gradient (hidden and weight) of the token-mean cross-entropy of
   ``hidden @ weight.T`` at V = 32,768, D = 512, 2,048 tokens, float32: the dense loss
   (``optax.softmax_cross_entropy_with_integer_labels`` on the logits), ``jax-cce`` (an optional
   dependency: ``pip install jax-cce``) and ``jaxaccum.linear_cross_entropy`` at the same
-  vocabulary chunks. Compiled temp bytes, and time in the same interleaved rounds.
+  vocabulary chunks, and ``tokamax.linear_softmax_cross_entropy_loss``'s XLA implementation
+  (optional: ``pip install -e ".[bench]"``; it takes the weight as ``(D, V)``, transposed
+  inside the timed function). Compiled temp bytes, and time in the same interleaved rounds.
+- ``alone_large_vocab``: the same at V = 128,256 (Llama 3's vocabulary), D = 512.
 - ``step``: an Adam ``jaxaccum.train_step`` of a small model ending in that head (embedding,
   one MLP block, the head), 8,192 tokens in k = 4 micro-batches, with the dense head and with
   the chunked one: temp and time in the same rounds.
@@ -13,7 +16,7 @@
 
 Writes results/lm_head.json; ``table`` prints the guide's table from it.
 
-    python benchmarks/lm_head.py               # ~4 min on 2 cores
+    python benchmarks/lm_head.py               # ~10 min on 2 cores
     python benchmarks/lm_head.py --rounds 3
 """
 
@@ -36,6 +39,7 @@ import jaxaccum
 
 V, D, TOKENS = 32_768, 512, 2_048
 CHUNKS = (1_024, 2_048, 4_096)
+LARGE_V = 128_256
 
 
 def dense_loss(h: jax.Array, w: jax.Array, y: jax.Array) -> jax.Array:
@@ -56,11 +60,27 @@ def timed(fns: dict[str, Callable[..., Any]], args: tuple[Any, ...],
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-def alone(rounds: int) -> dict[str, Any]:
+def tokamax_loss() -> Callable[..., Any] | None:
+    """tokamax's op, XLA implementation, on a ``(V, D)`` weight; None without tokamax."""
+    try:
+        import tokamax
+        from absl import flags
+    except ImportError:
+        return None
+    if not flags.FLAGS.is_parsed():  # (tokamax reads its absl flags, else parses sys.argv)
+        flags.FLAGS.mark_as_parsed()
+
+    def loss(h: jax.Array, w: jax.Array, y: jax.Array) -> jax.Array:
+        return tokamax.linear_softmax_cross_entropy_loss(h, y, w.T, reduction="mean",
+                                                         implementation="xla")
+    return loss
+
+
+def alone(rounds: int, vocab: int = V) -> dict[str, Any]:
     rng = np.random.default_rng(0)
     args = (jnp.asarray(rng.normal(size=(TOKENS, D)), jnp.float32),
-            jnp.asarray(rng.normal(size=(V, D)) * 0.05, jnp.float32),
-            jnp.asarray(rng.integers(0, V, TOKENS), jnp.int32))
+            jnp.asarray(rng.normal(size=(vocab, D)) * 0.05, jnp.float32),
+            jnp.asarray(rng.integers(0, vocab, TOKENS), jnp.int32))
     losses: dict[str, Callable[..., Any]] = {"dense": dense_loss}
     try:
         import jax_cce
@@ -72,6 +92,9 @@ def alone(rounds: int) -> dict[str, Any]:
         if jax_cce is not None:
             losses[f"jax-cce {c}"] = functools.partial(jax_cce.linear_cross_entropy,
                                                        chunk_size=c)
+    tokamax = tokamax_loss()
+    if tokamax is not None:
+        losses["tokamax (XLA)"] = tokamax
     fns = {name: jax.jit(jax.value_and_grad(f, argnums=(0, 1))) for name, f in losses.items()}
     temp = {name: fn.lower(*args).compile().memory_analysis().temp_size_in_bytes
             for name, fn in fns.items()}
@@ -139,11 +162,14 @@ def large(vocab: int = 128_256, width: int = 4_096, tokens: int = 8_192,
 
 def table(results: dict[str, Any]) -> str:
     """The guide's table: the head alone, then the step, from a run's results."""
-    lines = ["| value and gradient, 2,048 tokens | time (x dense) | temp MiB |",
-             "| --- | --- | --- |"]
-    for name, row in results["alone"].items():
-        lines.append(f"| {name} | {row['ms']:.0f} ms ({row['ratio_to_dense']:.2f}x) | "
-                     f"{row['temp_bytes'] / 2**20:.1f} |")
+    lines: list[str] = []
+    for key, vocab in (("alone", results["vocab"]), ("alone_large_vocab", LARGE_V)):
+        lines += [*([""] if lines else []),
+                  f"| value and gradient, V = {vocab:,}, 2,048 tokens | time (x dense) | "
+                  "temp MiB |", "| --- | --- | --- |"]
+        for name, row in results[key].items():
+            lines.append(f"| {name} | {row['ms']:.0f} ms ({row['ratio_to_dense']:.2f}x) | "
+                         f"{row['temp_bytes'] / 2**20:,.1f} |")
     s = results["step"]
     lines += ["", f"| Adam step, {s['tokens']:,} tokens, k = {s['k']} | time (x dense) | "
               "temp MiB |", "| --- | --- | --- |"]
@@ -164,7 +190,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
     results = {"machine": machine(), "vocab": V, "width": D, "tokens": TOKENS,
-               "alone": alone(args.rounds), "step": step(args.rounds), "large": large()}
+               "alone": alone(args.rounds),
+               "alone_large_vocab": alone(args.rounds, LARGE_V),
+               "step": step(args.rounds), "large": large()}
     path = save("lm_head", results)
     print(table(results))
     print(results["large"])
