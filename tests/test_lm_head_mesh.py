@@ -45,8 +45,10 @@ def test_one_data_device_and_the_vocabulary_over_eight(out):
 def test_axis_name_outside_shard_map_splits_the_vocabulary_itself(out):
     """``axis_name="model"`` called in the step with no ``shard_map`` of the caller's: the loss
     splits the vocabulary over the mesh's axis itself; equal to one device on (4, 2) and on
-    (1, 8), and nothing is all-gathered."""
-    for key in ("wrap/auto", "wrap-1x8/auto"):
+    (1, 8), also for a ``(D, V)`` kernel (``vocab_axis=1``) with a bias, and nothing is
+    all-gathered."""
+    for key in ("wrap/auto", "wrap-1x8/auto", "wrap-kernel/auto"):
+        assert "error" not in out[key], (key, out[key])
         assert out[key]["rel"] <= EXACT, (key, out[key])
     assert out["wrap/auto"]["all_gather_bytes"] == 0, out["wrap/auto"]
 

@@ -60,6 +60,36 @@ def wrap_loss(params: Any, batch: Any) -> Any:
                                          label_smoothing=0.1, axis_name="model")
 
 
+def kernel_loss(axis_name: str | None) -> Any:
+    """A Flax ``Dense``-style head: a ``(D, V)`` kernel (``vocab_axis=1``) and a bias."""
+    def fun(params: Any, batch: Any) -> Any:
+        x, labels = batch
+        return jaxaccum.linear_cross_entropy(
+            jnp.tanh(x @ params["mix"]), params["kernel"], labels, bias=params["bias"],
+            vocab_axis=1, reduction="weighted", vocab_chunk=96, token_chunk=48,
+            axis_name=axis_name)
+    return fun
+
+
+def kernel_layout(params: Any, batch: Any) -> dict[str, Any]:
+    """``axis_name`` called directly with a ``(D, V)`` kernel split over "model" on its second
+    axis and a bias split with it, on (4, 2) Auto: against one device."""
+    rng = np.random.default_rng(1)
+    params = {"mix": params["mix"], "kernel": np.ascontiguousarray(params["head"].T),
+              "bias": rng.normal(size=V).astype(np.float32)}
+    ref = jax.jit(jaxaccum.value_and_grad(kernel_loss(None), num_microbatches=K,
+                                          weighted=True))(params, batch)
+    mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+    specs = {"mix": P(), "kernel": P(None, "model"), "bias": P("model")}
+    with jax.set_mesh(mesh):
+        p = {n: jax.device_put(v, NamedSharding(mesh, specs[n])) for n, v in params.items()}
+        b = jax.device_put(batch, NamedSharding(mesh, P("data")))
+        got = jax.jit(jaxaccum.value_and_grad(kernel_loss("model"), num_microbatches=K,
+                                              weighted=True,
+                                              **accumulation_options(mesh, "data")))(p, b)
+    return {"rel": rel_diff(got, ref)}
+
+
 def step_temp(fun: Any, shape: tuple[int, int], vocab: int, width: int, tokens: int) -> int:
     """Each device's compiled temp of a k = 4 step of ``fun`` on a data x model mesh of
     ``shape`` (Auto axes), the head's vocabulary over "model"."""
@@ -169,6 +199,10 @@ def main() -> None:
                                                    **accumulation_options(mesh, "data")))(p, b)
     out["split-1x8/auto"] = {"rel": rel_diff(got, ref)}
     out["wrap-1x8/auto"] = {"rel": rel_diff(got_wrap, ref)}
+    try:  # (one case's failure is reported as its own, the others still run)
+        out["wrap-kernel/auto"] = kernel_layout(params, batch)
+    except Exception as error:  # noqa: BLE001
+        out["wrap-kernel/auto"] = {"error": f"{type(error).__name__}: {error}"}
     out["memory"] = memory_at_size()
     emit(out)
 
