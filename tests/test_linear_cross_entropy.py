@@ -305,13 +305,15 @@ def test_bad_input_names_the_fix():
 
 def test_a_vocabulary_axis_that_cannot_split_names_the_fix():
     """``axis_name`` with no mesh that has the axis, on a mesh whose axis size does not divide
-    V, and on an Explicit axis: refused at trace time, each with what to do."""
+    V, an Explicit axis the weight's type is not split over, and a mesh of Auto and Explicit
+    axes mixed: refused at trace time, each with what to do."""
     from jax.sharding import AbstractMesh, AxisType
 
     h, w, y = jnp.ones((3, 4)), jnp.ones((9, 4)), jnp.zeros(3, jnp.int32)
 
-    def traced(mesh_axis_type, size):
-        mesh = AbstractMesh((size,), ("model",), axis_types=(mesh_axis_type,))
+    def traced(*types, size=1):
+        mesh = AbstractMesh((size,) * len(types), ("model", "data")[:len(types)],
+                            axis_types=types)
         with jax.sharding.use_abstract_mesh(mesh):
             jax.eval_shape(functools.partial(jaxaccum.linear_cross_entropy, axis_name="model"),
                            h, w, y)
@@ -319,10 +321,12 @@ def test_a_vocabulary_axis_that_cannot_split_names_the_fix():
     with refuses(ValueError, "neither an axis of the mesh in context nor of a jax.shard_map"):
         jaxaccum.linear_cross_entropy(h, w, y, axis_name="model")
     with refuses(ValueError, "pad the weight's vocabulary axis to a multiple of 2"):
-        traced(AxisType.Auto, 2)
-    with refuses(NotImplementedError, "make the mesh's axes AxisType.Auto"):
-        traced(AxisType.Explicit, 1)
-    traced(AxisType.Auto, 3)  # 9 splits over 3
+        traced(AxisType.Auto, size=2)
+    with refuses(ValueError, r"shard it with PartitionSpec\('model', None\)"):
+        traced(AxisType.Explicit)
+    with refuses(NotImplementedError, "make every axis of the mesh Explicit, or every one"):
+        traced(AxisType.Explicit, AxisType.Auto)
+    traced(AxisType.Auto, size=3)  # 9 splits over 3
 
 
 def test_the_head_gradient_goes_into_the_accumulator():

@@ -69,14 +69,15 @@ def linear_cross_entropy(
         z-loss), added to each token's loss.
       vocab_axis: 0 or 1: the axis of ``weight`` that runs over the vocabulary.
       axis_name: the mesh axis the vocabulary is split over (tensor parallelism), or None.
-        Under a mesh whose axis of that name is Auto (``jax.set_mesh``, or a jaxaccum step on
-        that mesh), pass the whole sharded ``weight``: the loss splits the vocabulary over the
-        axis itself, and inside jaxaccum's micro-batch loop each device adds its slice's
-        gradient into its slice of the accumulator. Inside a ``jax.shard_map`` over the axis,
-        each device passes its slice of ``weight`` (and ``bias``), in the axis's order. Either
-        way every device passes the same ``hidden`` and ``labels`` (global ids), computes its
-        slice's log-sum-exp, and the slices are combined over the axis; the weight is never
-        gathered. V must split evenly over the axis.
+        Under a mesh that has that axis (``jax.set_mesh``, or a jaxaccum step on that mesh),
+        pass the whole sharded ``weight``: the loss splits the vocabulary over the axis itself
+        (on Auto axes inside jaxaccum's micro-batch loop each device adds its slice's gradient
+        into its slice of the accumulator; on a mesh of Explicit axes each array is split as
+        its type says, and a weight typed as split needs its ``axis_name``). Inside a
+        ``jax.shard_map`` over the axis, each device passes its slice of ``weight`` (and
+        ``bias``), in the axis's order. Either way every device passes the same ``hidden`` and
+        ``labels`` (global ids), computes its slice's log-sum-exp, and the slices are combined
+        over the axis; the weight is never gathered. V must split evenly over the axis.
       token_chunk: tokens a chunk holds (at most; the last chunk may overlap the one before).
       vocab_chunk: vocabulary entries a chunk holds (at most).
 
@@ -90,10 +91,11 @@ def linear_cross_entropy(
         not integer, or an option not of its type.
       ValueError: for shapes that do not fit together (the message says which
         ``vocab_axis`` fits), an unknown ``reduction``, an option out of its range, an
-        ``axis_name`` of no mesh in context or ``shard_map``, or a V that does not split evenly
-        over it.
-      NotImplementedError: for arrays sharded over the axes of an Explicit mesh, or an
-        ``axis_name`` that is an Explicit axis.
+        ``axis_name`` of no mesh in context or ``shard_map``, a V that does not split evenly
+        over it, or (on Explicit axes) a weight, bias or hidden split otherwise than
+        described under ``axis_name``.
+      NotImplementedError: for arrays sharded over the Explicit axes of a mesh whose axes are
+        not all Explicit.
 
     Examples:
       >>> import jax, jax.numpy as jnp, optax, jaxaccum
@@ -109,15 +111,14 @@ def linear_cross_entropy(
     param = weight  # as passed: inside jaxaccum's loop its accumulator is found by identity
     hidden, weight, labels, bias, weights = _checks.arrays(entry, hidden, weight, labels, bias,
                                                            weights, vocab_axis)
-    _checks.not_explicit(entry, hidden, weight, bias)
-    axis_name, split_here = _checks.axis(entry, axis_name)
+    axis_name, where = _checks.where(entry, axis_name, hidden, weight, bias)
     config = Config(vocab_axis, _checks.chunk(entry, token_chunk, "token_chunk"),
                     _checks.chunk(entry, vocab_chunk, "vocab_chunk"),
                     *_checks.coefficients(entry, label_smoothing, z_loss), axis_name)
     _checks.reduction(entry, reduction)
     vocab_size = weight.shape[vocab_axis]
-    if split_here:
-        _checks.divides(entry, vocab_size, str(axis_name))
+    if where != "here" and axis_name is not None:
+        _checks.divides(entry, vocab_size, axis_name)
     elif axis_name is not None:  # inside shard_map: this device holds one slice
         vocab_size = vocab_size * jax.lax.psum(1, axis_name)
     shape, flat = labels.shape, labels.reshape(-1)
@@ -127,7 +128,8 @@ def linear_cross_entropy(
         loss = jnp.zeros(flat.shape, jnp.float32)
         if flat.size:
             tap = _sink.tap_for(param)  # the weight's accumulator, or None
-            loss = (_split.over_axis if split_here else _split.losses)(
+            run = {"here": _split.losses, "axis": _split.over_axis, "mesh": _split.over_mesh}
+            loss = run[where](
                 config, hidden.reshape(-1, hidden.shape[-1]), weight,
                 None if bias is None else jnp.asarray(bias),
                 jnp.where(in_range, flat, 0), active & in_range, tap)

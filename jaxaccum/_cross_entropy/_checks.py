@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -75,15 +75,6 @@ def _explicitly_sharded(x: jax.Array) -> bool:
     return bool(explicit & used)
 
 
-def not_explicit(entry: str, *arrays: Any) -> None:
-    """Refuses arrays sharded over Explicit mesh axes (not supported yet)."""
-    if any(a is not None and _explicitly_sharded(a) for a in arrays):
-        raise NotImplementedError(
-            f"{entry}: arrays sharded over Explicit mesh axes are not supported yet; use a "
-            "mesh of AxisType.Auto axes (jax.make_mesh(..., axis_types=(AxisType.Auto, ...))),"
-            " or call it outside the mesh")
-
-
 def chunk(entry: str, value: Any, name: str) -> int:
     """A chunk size: a positive int."""
     return _validation.positive_int(value, name, entry)
@@ -108,24 +99,35 @@ def reduction(entry: str, value: Any) -> None:
         raise ValueError(f"{entry}: reduction must be one of {REDUCTIONS}; got {value!r}")
 
 
-def axis(entry: str, name: Any) -> tuple[str | None, bool]:
-    """The vocabulary's mesh axis (None or an axis name), and whether this call must split the
-    vocabulary over it itself (the axis is one of the context mesh's, not yet manual) rather than
-    being inside a ``jax.shard_map`` over it already."""
-    if name is None:
-        return None, False
-    if not isinstance(name, str):
+Where = Literal["here", "axis", "mesh"]
+
+
+def where(entry: str, name: Any, *arrays: Any) -> tuple[str | None, Where]:
+    """The vocabulary's mesh axis (None or an axis name), and where the loss runs:
+
+    - ``"here"``: as called (no mesh; or inside a ``jax.shard_map`` over the axis already);
+    - ``"axis"``: in a ``shard_map`` over the axis, one of the context mesh's Auto axes;
+    - ``"mesh"``: in a ``shard_map`` over every axis of the context mesh, whose axes are all
+      Explicit, each array split as its type says.
+    """
+    if name is not None and not isinstance(name, str):
         raise TypeError(f"{entry}: axis_name must be a mesh axis name (a str) or None; got "
                         f"{name!r}")
     mesh = jax.sharding.get_abstract_mesh()
     types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True)) if not mesh.empty else {}
-    if types.get(name) == jax.sharding.AxisType.Explicit:
+    explicit = jax.sharding.AxisType.Explicit
+    if types.get(name) == explicit or any(a is not None and _explicitly_sharded(a)
+                                          for a in arrays):
+        if types and all(t == explicit for t in types.values()):
+            return name, "mesh"
         raise NotImplementedError(
-            f"{entry}: axis_name={name!r} is an Explicit axis of the mesh in context; a "
-            "vocabulary split over Explicit axes is not supported yet: make the mesh's axes "
-            "AxisType.Auto (jax.make_mesh(..., axis_types=(AxisType.Auto, ...)))")
+            f"{entry}: arrays sharded over Explicit axes of a mesh whose other axes are not "
+            f"all Explicit ({dict((n, str(t)) for n, t in types.items())}) are not supported "
+            "yet; make every axis of the mesh Explicit, or every one AxisType.Auto")
+    if name is None:
+        return None, "here"
     if types.get(name) == jax.sharding.AxisType.Auto:
-        return name, True
+        return name, "axis"
     try:
         jax.lax.axis_index(name)
     except NameError:
@@ -133,7 +135,38 @@ def axis(entry: str, name: Any) -> tuple[str | None, bool]:
                          "context nor of a jax.shard_map this is called in: call it under "
                          "jax.set_mesh(mesh) (or in a jaxaccum step on that mesh) whose mesh has "
                          "that axis, with the weight's vocabulary sharded over it") from None
-    return name, False
+    return name, "here"
+
+
+def layout(entry: str, name: str | None, vocab_axis: int, specs: dict[str, Any]) -> None:
+    """On an Explicit mesh: the weight (and bias) split over ``name`` along the vocabulary
+    only, the hidden states' width not split, and the tokens not split over ``name``."""
+    def parts(spec: Any, ndim: int) -> tuple[Any, ...]:
+        return (*spec.partitions, *(None,) * (ndim - len(spec.partitions)))
+
+    weight = parts(specs["weight"], 2)
+    fix = (f"shard it with PartitionSpec{(name, None) if vocab_axis == 0 else (None, name)}"
+           if name is not None else "pass axis_name=<the axis its vocabulary is split over>")
+    if name is None and weight != (None, None):
+        raise ValueError(f"{entry}: on an Explicit mesh the weight's type says it is split "
+                         f"({specs['weight']}): pass axis_name=<the axis its vocabulary is split "
+                         "over>, or replicate it")
+    if weight[vocab_axis] != name or weight[1 - vocab_axis] is not None:
+        raise ValueError(f"{entry}: on an Explicit mesh the weight (vocab_axis={vocab_axis}) "
+                         f"must be split over axis_name={name!r} along its vocabulary only; its "
+                         f"type says {specs['weight']}: {fix}")
+    if "bias" in specs and parts(specs["bias"], 1) != (name,):
+        raise ValueError(f"{entry}: on an Explicit mesh the bias must be split as the weight's "
+                         f"vocabulary, over {name!r}; its type says {specs['bias']}")
+    hidden = tuple(specs["hidden"].partitions)
+    if len(hidden) == 2 and hidden[1] is not None:
+        raise ValueError(f"{entry}: hidden's last axis (D) must not be split; its type says "
+                         f"{specs['hidden']}: reshard it to PartitionSpec({hidden[0]!r}, None)")
+    tokens = {a for part in (*hidden[:1], *specs["labels"].partitions) if part is not None
+              for a in (part if isinstance(part, tuple) else (part,))}
+    if name is not None and name in tokens:
+        raise ValueError(f"{entry}: the tokens must not be split over axis_name={name!r}: "
+                         "every device of that axis needs the same tokens")
 
 
 def divides(entry: str, vocab: int, name: str) -> None:

@@ -5,7 +5,9 @@ from __future__ import annotations
 import jax
 from jax.sharding import PartitionSpec as P
 
+from jaxaccum._cross_entropy import _checks
 from jaxaccum._cross_entropy._vjp import Config, per_token, per_token_into
+from jaxaccum.contrastive import _tiles
 
 
 def losses(config: Config, hidden: jax.Array, weight: jax.Array, bias: jax.Array | None,
@@ -38,3 +40,28 @@ def over_axis(config: Config, hidden: jax.Array, weight: jax.Array, bias: jax.Ar
     return jax.shard_map(  # type: ignore[no-any-return]
         local, in_specs=(P(), P(*vocab), P(), P(), {k: P(*specs[k]) for k in present}),
         out_specs=P(), axis_names={name})(hidden, weight, labels, active, present)
+
+
+def over_mesh(config: Config, hidden: jax.Array, weight: jax.Array, bias: jax.Array | None,
+              labels: jax.Array, active: jax.Array, tap: jax.Array | None) -> jax.Array:
+    """:func:`losses` inside ``jax.shard_map`` over every axis of the context mesh, whose axes
+    are Explicit: each array split as its type says (the tokens over the data axes, the
+    vocabulary over ``config.axis_name``), the per-token loss split as the labels."""
+    operands = {"hidden": hidden, "weight": weight, "labels": labels, "active": active,
+                **{k: v for k, v in (("bias", bias), ("tap", tap)) if v is not None}}
+    # (a parameter jaxaccum reduces once per step is typed reduced over the data axes; the
+    # spec keeps that, which shard_map takes only over every axis of the mesh)
+    specs = {k: jax.typeof(v).sharding.spec for k, v in operands.items()}
+    _checks.layout("jaxaccum.linear_cross_entropy", config.axis_name, config.vocab_axis, specs)
+
+    def local(o: dict[str, jax.Array]) -> jax.Array:
+        # the head's gradient comes from this device's tokens: typed varying over their axes,
+        # which custom_vjp demands of the cotangent it returns for the weight
+        tokens = _tiles.varying(o["hidden"], o["labels"])
+        o = {k: _tiles.vary(tokens, v) if k in ("weight", "bias", "tap") else v
+             for k, v in o.items()}
+        return losses(config, o["hidden"], o["weight"], o.get("bias"), o["labels"],
+                      o["active"], o.get("tap"))
+
+    return jax.shard_map(local, in_specs=(specs,),  # type: ignore[no-any-return]
+                         out_specs=specs["labels"])(operands)

@@ -4,9 +4,10 @@ devices, the head's vocabulary sharded over "model" (the rest replicated, the ba
 beside one device's; the same with the head inside ``jax.shard_map`` over "model"
 (``axis_name``: each device its slice of the vocabulary, no gather), and with ``axis_name``
 called outside any ``shard_map`` (the loss splits the vocabulary itself, each device's slice
-of the head gradient added into its slice of the accumulator); Explicit axes: refused with a
-message. At a larger head (compiled, not run), each device's temp on (4, 2) and on (4, 1).
-Prints ``{"<axis type>": {...}, "split/auto": {...}, "wrap/auto": {...}, "memory": {...}}``."""
+of the head gradient added into its slice of the accumulator), on Auto and on Explicit axes.
+At a larger head (compiled, not run), each device's temp on (4, 2) and on (4, 1). Prints
+``{"<way>/<axis type>": {...}, ..., "memory": {...}}``, a case's error in place of its
+numbers."""
 
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ def loss(params: Any, batch: Any) -> Any:
                                          label_smoothing=0.1)
 
 
-def split_loss(mesh: jax.sharding.Mesh) -> Any:
+def split_loss() -> Any:
     """The loss with the head inside ``jax.shard_map`` over "model": each device its slice of
     the vocabulary (``axis_name="model"``), the slices combined over the axis."""
     def fun(params: Any, batch: Any) -> Any:
@@ -71,29 +72,23 @@ def kernel_loss(axis_name: str | None) -> Any:
     return fun
 
 
-def kernel_layout(params: Any, batch: Any) -> dict[str, Any]:
+def kernel_layout(params: Any, batch: Any, kind: AxisType) -> dict[str, Any]:
     """``axis_name`` called directly with a ``(D, V)`` kernel split over "model" on its second
-    axis and a bias split with it, on (4, 2) Auto: against one device."""
+    axis and a bias split with it, on (4, 2): against one device."""
     rng = np.random.default_rng(1)
     params = {"mix": params["mix"], "kernel": np.ascontiguousarray(params["head"].T),
               "bias": rng.normal(size=V).astype(np.float32)}
     ref = jax.jit(jaxaccum.value_and_grad(kernel_loss(None), num_microbatches=K,
                                           weighted=True))(params, batch)
-    mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
     specs = {"mix": P(), "kernel": P(None, "model"), "bias": P("model")}
-    with jax.set_mesh(mesh):
-        p = {n: jax.device_put(v, NamedSharding(mesh, specs[n])) for n, v in params.items()}
-        b = jax.device_put(batch, NamedSharding(mesh, P("data")))
-        got = jax.jit(jaxaccum.value_and_grad(kernel_loss("model"), num_microbatches=K,
-                                              weighted=True,
-                                              **accumulation_options(mesh, "data")))(p, b)
-    return {"rel": rel_diff(got, ref)}
+    return run_case(kernel_loss("model"), params, batch, ref, (4, 2), kind, specs)
 
 
-def step_temp(fun: Any, shape: tuple[int, int], vocab: int, width: int, tokens: int) -> int:
+def step_temp(fun: Any, shape: tuple[int, int], vocab: int, width: int, tokens: int,
+              kind: AxisType = AxisType.Auto) -> int:
     """Each device's compiled temp of a k = 4 step of ``fun`` on a data x model mesh of
-    ``shape`` (Auto axes), the head's vocabulary over "model"."""
-    mesh = jax.make_mesh(shape, ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+    ``shape`` (axes of type ``kind``), the head's vocabulary over "model"."""
+    mesh = jax.make_mesh(shape, ("data", "model"), axis_types=(kind,) * 2)
     params = {"mix": jax.ShapeDtypeStruct((width, width), jnp.float32,
                                           sharding=NamedSharding(mesh, P())),
               "head": jax.ShapeDtypeStruct((vocab, width), jnp.float32,
@@ -131,8 +126,32 @@ def memory_at_size() -> dict[str, Any]:
     sizes = (vocab, width, tokens)
     return {"slice_bytes": vocab // 2 * width * 4,
             "wrap_4x2": step_temp(wrap, (4, 2), *sizes),
+            "wrap_4x2_explicit": step_temp(wrap, (4, 2), *sizes, kind=AxisType.Explicit),
             "split_4x2": step_temp(split, (4, 2), *sizes),
             "plain_4x1": step_temp(plain, (4, 1), *sizes)}
+
+
+def run_case(fun: Any, params: Any, batch: Any, ref: Any, shape: tuple[int, int],
+             kind: AxisType, specs: dict[str, Any]) -> dict[str, Any]:
+    """A k = 4 step of ``fun`` on a data x model mesh of ``shape`` and axis type ``kind``
+    (parameters split as ``specs``, the batch over "data") against one device's ``ref``, or
+    the error it raised (each case's own: the others still run)."""
+    mesh = jax.make_mesh(shape, ("data", "model"), axis_types=(kind, kind))
+    with jax.set_mesh(mesh):
+        p = {n: jax.device_put(v, NamedSharding(mesh, specs[n])) for n, v in params.items()}
+        b = jax.device_put(batch, NamedSharding(mesh, P("data")))
+        step = jax.jit(jaxaccum.value_and_grad(fun, num_microbatches=K, weighted=True,
+                                               **accumulation_options(mesh, "data")))
+        try:
+            got = step(p, b)
+            compiled = step.lower(p, b).compile()
+        except Exception as error:  # noqa: BLE001
+            return {"error": f"{type(error).__name__}: {error}"}
+    return {"rel": rel_diff(got, ref), "temp": memory(compiled).temp_size_in_bytes,
+            "all_gather_bytes": max([size for op, _, size, _ in
+                                     _hlo.collectives(hlo_text(compiled))
+                                     if op == "all-gather"], default=0),
+            "grad_shardings": {n: str(g.sharding.spec) for n, g in got[1].items()}}
 
 
 def main() -> None:
@@ -142,70 +161,22 @@ def main() -> None:
     labels = rng.integers(0, V, T)
     labels[rng.random(T) < 0.3] = -100
     batch = (rng.normal(size=(T, D)).astype(np.float32), labels.astype(np.int32))
-    step = jaxaccum.value_and_grad(loss, num_microbatches=K, weighted=True)
-    one = jax.jit(step)
+    one = jax.jit(jaxaccum.value_and_grad(loss, num_microbatches=K, weighted=True))
     ref = one(params, batch)
-    one_temp = memory(one.lower(params, batch).compile()).temp_size_in_bytes
-    out: dict[str, Any] = {"one_device_temp": one_temp}
+    out: dict[str, Any] = {
+        "one_device_temp": memory(one.lower(params, batch).compile()).temp_size_in_bytes}
+    specs = {"mix": P(), "head": P("model", None)}
     for kind in (AxisType.Auto, AxisType.Explicit):
-        mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(kind, kind))
-        specs = {"mix": P(), "head": P("model", None)}
-        with jax.set_mesh(mesh):
-            p = {n: jax.device_put(v, NamedSharding(mesh, specs[n])) for n, v in params.items()}
-            b = jax.device_put(batch, NamedSharding(mesh, P("data")))
-            fn = jax.jit(jaxaccum.value_and_grad(loss, num_microbatches=K, weighted=True,
-                                                 **accumulation_options(mesh, "data")))
-            try:
-                got = fn(p, b)
-            except NotImplementedError as error:
-                out[kind.name.lower()] = {"refused": str(error)}
-                continue
-            split = jax.jit(jaxaccum.value_and_grad(split_loss(mesh), num_microbatches=K,
-                                                    weighted=True,
-                                                    **accumulation_options(mesh, "data")))
-            got_split = split(p, b)
-            wrap = jax.jit(jaxaccum.value_and_grad(wrap_loss, num_microbatches=K,
-                                                   weighted=True,
-                                                   **accumulation_options(mesh, "data")))
-            out["wrap/" + kind.name.lower()] = {
-                "rel": rel_diff(wrap(p, b), ref),
-                "all_gather_bytes": max([size for op, _, size, _ in _hlo.collectives(
-                    hlo_text(wrap.lower(p, b).compile())) if op == "all-gather"], default=0)}
-            split_compiled = split.lower(p, b).compile()
-            out["split/" + kind.name.lower()] = {
-                "rel": rel_diff(got_split, ref),
-                "temp": memory(split_compiled).temp_size_in_bytes,
-                "all_gather_bytes": max([size for op, _, size, _ in
-                                         _hlo.collectives(hlo_text(split_compiled))
-                                         if op == "all-gather"], default=0),
-            }
-            compiled = fn.lower(p, b).compile()
-        out[kind.name.lower()] = {
-            "rel": rel_diff(got, ref),
-            "temp": memory(compiled).temp_size_in_bytes,
-            "head_grad_sharding": str(got[1]["head"].sharding.spec),
-        }
-    # one data device and the vocabulary over all eight (tensor parallelism alone)
-    mesh = jax.make_mesh((1, 8), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
-    with jax.set_mesh(mesh):
-        p = {"mix": jax.device_put(params["mix"], NamedSharding(mesh, P())),
-             "head": jax.device_put(params["head"], NamedSharding(mesh, P("model", None)))}
-        b = jax.device_put(batch, NamedSharding(mesh, P("data")))
-        got = jax.jit(jaxaccum.value_and_grad(split_loss(mesh), num_microbatches=K,
-                                              weighted=True,
-                                              **accumulation_options(mesh, "data")))(p, b)
-        got_wrap = jax.jit(jaxaccum.value_and_grad(wrap_loss, num_microbatches=K,
-                                                   weighted=True,
-                                                   **accumulation_options(mesh, "data")))(p, b)
-    out["split-1x8/auto"] = {"rel": rel_diff(got, ref)}
-    out["wrap-1x8/auto"] = {"rel": rel_diff(got_wrap, ref)}
-    try:  # (one case's failure is reported as its own, the others still run)
-        out["wrap-kernel/auto"] = kernel_layout(params, batch)
-    except Exception as error:  # noqa: BLE001
-        out["wrap-kernel/auto"] = {"error": f"{type(error).__name__}: {error}"}
+        name = kind.name.lower()
+        for way, fun in (("plain", loss), ("split", split_loss()), ("wrap", wrap_loss)):
+            out[f"{way}/{name}"] = run_case(fun, params, batch, ref, (4, 2), kind, specs)
+        # one data device and the vocabulary over all eight (tensor parallelism alone)
+        out[f"wrap-1x8/{name}"] = run_case(wrap_loss, params, batch, ref, (1, 8), kind, specs)
+        out[f"wrap-kernel/{name}"] = kernel_layout(params, batch, kind)
+    out["split-1x8/auto"] = run_case(split_loss(), params, batch, ref, (1, 8),
+                                     AxisType.Auto, specs)
     out["memory"] = memory_at_size()
     emit(out)
-
 
 if __name__ == "__main__":
     main()
