@@ -75,3 +75,22 @@ def test_each_device_holds_no_gradient_of_its_weight_slice(out):
     # as the accumulator was registered with), so the slice's gradient and the accumulator's
     # slice: less than the whole weight (two slices) on any device
     assert m["wrap_4x2_explicit"] < 2 * m["slice_bytes"], m
+
+
+def test_a_scale_before_the_head_and_an_embedding(out):
+    """A LayerNorm-like scale between the batch-sharded activations and the head (on Explicit
+    axes it meets them elementwise: jaxaccum reshards it or falls back to a cast JAX takes), and
+    an embedding: equal to one device. On Explicit axes ``table[tokens]`` is JAX's own refusal,
+    with its fix (``.at[tokens].get(out_sharding=...)``), which then runs; never an error from
+    inside JAX's handling of a reduced type."""
+    for key in ("scale/auto", "scale/explicit", "embed-index/auto", "embed-at/explicit"):
+        assert "error" not in out[key], (key, out[key])
+        assert out[key]["rel"] <= EXACT, (key, out[key])
+    assert "Use `.at[...].get(out_sharding=)`" in out["embed-index/explicit"]["error"], out
+
+
+def test_the_data_axis_named_by_mistake_is_refused(out):
+    """``axis_name="data"``: each device of that axis holds other tokens, so splitting the
+    vocabulary over it would give a wrong loss; refused on Auto and Explicit axes alike."""
+    for key in ("data-axis/auto", "data-axis/explicit"):
+        assert "not a data axis" in out[key].get("error", ""), (key, out[key])

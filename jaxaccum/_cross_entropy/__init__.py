@@ -77,7 +77,8 @@ def linear_cross_entropy(
         ``jax.shard_map`` over the axis, each device passes its slice of ``weight`` (and
         ``bias``), in the axis's order. Either way every device passes the same ``hidden`` and
         ``labels`` (global ids), computes its slice's log-sum-exp, and the slices are combined
-        over the axis; the weight is never gathered. V must split evenly over the axis.
+        over the axis; the weight is never gathered. V must split evenly over the axis, and
+        it is never a data axis (one the tokens are split over).
       token_chunk: tokens a chunk holds (at most; the last chunk may overlap the one before).
       vocab_chunk: vocabulary entries a chunk holds (at most).
 
@@ -91,9 +92,9 @@ def linear_cross_entropy(
         not integer, or an option not of its type.
       ValueError: for shapes that do not fit together (the message says which
         ``vocab_axis`` fits), an unknown ``reduction``, an option out of its range, an
-        ``axis_name`` of no mesh in context or ``shard_map``, a V that does not split evenly
-        over it, or (on Explicit axes) a weight, bias or hidden split otherwise than
-        described under ``axis_name``.
+        ``axis_name`` of no mesh in context or ``shard_map``, a data axis as ``axis_name``, a
+        V that does not split evenly over it, or (on Explicit axes) a weight, bias or hidden
+        split otherwise than described under ``axis_name``.
       NotImplementedError: for arrays sharded over the Explicit axes of a mesh whose axes are
         not all Explicit.
 
@@ -120,6 +121,7 @@ def linear_cross_entropy(
     if where != "here" and axis_name is not None:
         _checks.divides(entry, vocab_size, axis_name)
     elif axis_name is not None:  # inside shard_map: this device holds one slice
+        _checks.tokens_whole(entry, axis_name, hidden, labels)
         vocab_size = vocab_size * jax.lax.psum(1, axis_name)
     shape, flat = labels.shape, labels.reshape(-1)
     active = flat != ignore_index

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxaccum import _reductions, _specs
+from jaxaccum import _context, _reductions, _specs
 from jaxaccum._arguments import Accumulation
 from jaxaccum._placement import base
 from jaxaccum._placement._mesh import DataAxes, gather, gather_inside, is_spec
@@ -54,7 +54,8 @@ class AutoMesh(DataAxes):
 
             def body(n: Any, *local: Any) -> tuple[Any, ...]:
                 local_args, ops = self.enter(acc, local, specs)
-                res = per_device(acc, local_args, k, n, ops)
+                with _context.data_axes(self.axes):  # (told to the ops in the loss)
+                    res = per_device(acc, local_args, k, n, ops)
                 return (res.loss, res.grads, aux_out(acc, res, layout), res.weight,
                         res.skipped, res.noise)
 

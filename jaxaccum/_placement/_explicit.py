@@ -83,7 +83,7 @@ class ExplicitMesh(DataAxes):
         current = jax.sharding.get_abstract_mesh()
         if current.empty or current.shape_tuple != self.dp.mesh.abstract_mesh.shape_tuple:
             raise ValueError(
-                f"{acc.entry}: the mesh has Explicit axes {self.axes}: call it inside `with "
+                f"{acc.entry}: the mesh's data axes {self.axes} are Explicit: call it inside `with "
                 "jax.set_mesh(mesh):` (JAX's explicit-sharding mode needs the mesh in "
                 f"context); the mesh in context is {current}"
             )

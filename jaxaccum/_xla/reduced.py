@@ -25,11 +25,19 @@ from jaxaccum._xla import jaxpr as _jaxpr
 
 def jax_refuses_reduced(error: BaseException) -> bool:
     """Whether ``error`` is JAX refusing a reduced/unreduced type (jax 0.10), in one of the
-    two forms it takes: a ``ShardingTypeError`` (not public in jax: recognised by its class
-    name) for an op between a reduced and a sharded operand, or a ``NotImplementedError`` from
-    a primitive without a reduced rule (``conv_general_dilated``). Tested for each."""
+    forms it takes: a ``ShardingTypeError`` (not public in jax: recognised by its class
+    name) for an op between a reduced and a sharded operand; a ``NotImplementedError`` from
+    a primitive without a reduced rule (``conv_general_dilated``); a ``ValueError`` from a
+    ``shard_map`` in the loss (``linear_cross_entropy`` on an Explicit mesh) whose specs were
+    fixed for plain types and which :func:`reduced_compatible` re-evaluates on reduced ones;
+    or the ``ValueError`` of JAX code that reads a reduced ``PartitionSpec`` as a plain one
+    (indexing a reduced table, ``table[tokens]``). Tested for each."""
     if type(error).__name__ == "ShardingTypeError":
         return True
+    if isinstance(error, ValueError) and "reduced present on the in_aval" in str(error):
+        return True  # a shard_map traced for plain types, re-evaluated on reduced ones
+    if isinstance(error, ValueError) and "Using *pspec is dangerous" in str(error):
+        return True  # an op that reads a reduced spec as a plain one (``table[tokens]``)
     return isinstance(error, NotImplementedError) and "unreduced/reduced rule" in str(error)
 
 

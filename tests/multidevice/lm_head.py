@@ -84,6 +84,67 @@ def kernel_layout(params: Any, batch: Any, kind: AxisType) -> dict[str, Any]:
     return run_case(kernel_loss("model"), params, batch, ref, (4, 2), kind, specs)
 
 
+def scaled_loss(axis_name: str | None) -> Any:
+    """A LayerNorm-like scale before the head: a parameter that meets the batch-sharded
+    activations elementwise (on Explicit axes jaxaccum reshards it, or falls back)."""
+    def fun(params: Any, batch: Any) -> Any:
+        x, labels = batch
+        hidden = jnp.tanh(x @ params["mix"]) * params["scale"]
+        return jaxaccum.linear_cross_entropy(hidden, params["head"], labels,
+                                             reduction="weighted", vocab_chunk=96,
+                                             token_chunk=48, axis_name=axis_name)
+    return fun
+
+
+def embedded_loss(lookup: str, axis_name: str | None = "model") -> Any:
+    """An embedding looked up by indexing (``table[tokens]``, which JAX cannot do on a reduced
+    table) or with ``.at[tokens].get(out_sharding=...)``, then the head over "model"."""
+    def fun(params: Any, batch: Any) -> Any:
+        tokens, labels = batch
+        table = params["table"]
+        hidden = (table[tokens] if lookup == "index" else
+                  table.at[tokens].get(out_sharding=P("data", None)))
+        return jaxaccum.linear_cross_entropy(jnp.tanh(hidden), params["head"], labels,
+                                             reduction="weighted", vocab_chunk=96,
+                                             token_chunk=48, axis_name=axis_name)
+    return fun
+
+
+def data_axis_loss(params: Any, batch: Any) -> Any:
+    """``axis_name`` naming the data axis by mistake: refused, never a wrong loss."""
+    x, labels = batch
+    return jaxaccum.linear_cross_entropy(jnp.tanh(x @ params["mix"]), params["head"], labels,
+                                         reduction="weighted", axis_name="data")
+
+
+def more_models(params: Any, batch: Any, ref: Any) -> dict[str, Any]:
+    """A scale before the head, an embedding, and the data axis named by mistake."""
+    out: dict[str, Any] = {}
+    rng = np.random.default_rng(2)
+    scaled = {**params, "scale": rng.normal(size=D).astype(np.float32)}
+    one = jax.jit(jaxaccum.value_and_grad(scaled_loss(None), num_microbatches=K,
+                                          weighted=True))
+    specs = {"mix": P(), "head": P("model", None), "scale": P()}
+    tokens = rng.integers(0, V, T).astype(np.int32)
+    embedded = {"table": scaled["head"] * 0.5, "head": params["head"]}
+    for kind in (AxisType.Auto, AxisType.Explicit):
+        name = kind.name.lower()
+        out[f"scale/{name}"] = run_case(scaled_loss("model"), scaled, batch, one(scaled, batch),
+                                        (4, 2), kind, specs)
+        out[f"data-axis/{name}"] = run_case(data_axis_loss, params, batch, ref, (4, 2), kind,
+                                            {"mix": P(), "head": P("model", None)})
+        # (out_sharding names Explicit axes only)
+        for lookup in ("index", "at") if kind == AxisType.Explicit else ("index",):
+            fun = embedded_loss(lookup)
+            want = jax.jit(jaxaccum.value_and_grad(embedded_loss("index", None),
+                                                   num_microbatches=K,
+                                                   weighted=True))(embedded, (tokens, batch[1]))
+            out[f"embed-{lookup}/{name}"] = run_case(
+                fun, embedded, (tokens, batch[1]), want, (4, 2), kind,
+                {"table": P(), "head": P("model", None)})
+    return out
+
+
 def step_temp(fun: Any, shape: tuple[int, int], vocab: int, width: int, tokens: int,
               kind: AxisType = AxisType.Auto) -> int:
     """Each device's compiled temp of a k = 4 step of ``fun`` on a data x model mesh of
@@ -175,6 +236,7 @@ def main() -> None:
         out[f"wrap-kernel/{name}"] = kernel_layout(params, batch, kind)
     out["split-1x8/auto"] = run_case(split_loss(), params, batch, ref, (1, 8),
                                      AxisType.Auto, specs)
+    out.update(more_models(params, batch, ref))
     out["memory"] = memory_at_size()
     emit(out)
 
