@@ -84,6 +84,7 @@ TESTS = {
     "jaxaccum/_cross_entropy/": ["tests/test_linear_cross_entropy.py",
                                  "tests/test_lm_head_mesh.py"],
     "jaxaccum/_sink.py": ["tests/test_linear_cross_entropy.py", "tests/test_one_way_through.py"],
+    "jaxaccum/_context.py": ["tests/test_lm_head_mesh.py"],
 }
 for _module in ("jaxaccum/_reductions.py", "jaxaccum/_microbatches.py", "jaxaccum/_options.py",
                 "jaxaccum/_coupled.py", "jaxaccum/packing/"):
@@ -97,7 +98,7 @@ TIMEOUT = {**{f"jaxaccum/packing/{m}.py": 420 for m in ("_layout", "_stream", "_
            "jaxaccum/contrastive/_ring.py": 1500,
            **{f"jaxaccum/_cross_entropy/{m}.py": 480
               for m in ("__init__", "_checks", "_chunks", "_split", "_vjp")},
-           "jaxaccum/_sink.py": 480}
+           "jaxaccum/_sink.py": 480, "jaxaccum/_context.py": 480}
 
 
 # One compilation cache for every mutant of a run (tests/conftest.py makes one per session
