@@ -293,6 +293,9 @@ def test_bad_input_names_the_fix():
     h, w, y = jnp.ones((3, 4)), jnp.ones((4, 9)), jnp.zeros(3, jnp.int32)
     with refuses(ValueError, "vocab_axis=1"):
         jaxaccum.linear_cross_entropy(h, w, y)
+    with refuses(ValueError, r"weight \(9, 4\) with vocab_axis=1 needs D = 9 .* fits with "
+                 "vocab_axis=0"):  # (the other layout's message names the other sizes)
+        jaxaccum.linear_cross_entropy(h, w.T, y, vocab_axis=1)
     with refuses(TypeError, "labels must be integers"):
         jaxaccum.linear_cross_entropy(h, w.T, y.astype(jnp.float32))
     with refuses(ValueError, "reduction must be one of"):
