@@ -209,7 +209,9 @@ def train_step(
 
     With a mesh, parameters and optimizer state may carry any ``NamedSharding`` on it (tensor
     parallel over model axes, FSDP over the data axes, or both); they come back with the same
-    shardings, and the gradients are reduced over the data axes once per step.
+    shardings, and the gradients are reduced over the data axes once per step. The step enters
+    the mesh itself (``jax.set_mesh``), which Explicit axes need; :func:`jaxaccum.value_and_grad`
+    is called inside ``with jax.set_mesh(mesh):`` there.
 
     Args:
       loss_fn: ``loss_fn(params, batch, *rest)`` returning the mean loss over its examples

@@ -152,8 +152,11 @@ def scalar(value: Any, what: str, *, floating: bool) -> None:
         if isinstance(value, (tuple, list)) and len(value) == 2:
             hint = ("; a pair means (loss, aux) or (loss, weight): pass has_aux=True (or a "
                     "reduction such as has_aux='concat') for an aux, weighted=True for a weight")
+        shown = jax.tree.map(lambda x: f"{x.dtype}{list(x.shape)}" if hasattr(x, "shape")
+                             else x, value)  # (abstract values: no repr of their sharding)
         raise TypeError(
-            f"{what} must be a scalar array; got {type(value).__name__}: {value!r}{hint}"
+            f"{what} must be a scalar array; got {type(value).__name__}: "
+            f"{repr(shown).replace(chr(39), '')}{hint}"
         )
     if shape != ():
         raise ValueError(
