@@ -121,7 +121,7 @@ def linear_cross_entropy(
     if where != "here" and axis_name is not None:
         _checks.divides(entry, vocab_size, axis_name)
     elif axis_name is not None:  # inside shard_map: this device holds one slice
-        _checks.tokens_whole(entry, axis_name, hidden, labels)
+        _checks.tokens_whole(entry, axis_name, _checks.token_axes(hidden, labels))
         vocab_size = vocab_size * jax.lax.psum(1, axis_name)
     shape, flat = labels.shape, labels.reshape(-1)
     active = flat != ignore_index

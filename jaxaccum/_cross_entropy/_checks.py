@@ -140,47 +140,49 @@ def where(entry: str, name: Any, *arrays: Any) -> tuple[str | None, Where]:
     return name, "here"
 
 
-def tokens_whole(entry: str, name: str | None, hidden: jax.Array, labels: jax.Array) -> None:
-    """Inside a ``shard_map`` over ``name``: every device of the axis has the same tokens (a
-    data axis named by mistake would split the vocabulary that every device holds whole)."""
-    if name is not None and (name in _context.split_data_axes()
-                             or name in _tiles.varying(hidden, labels)):
+def token_axes(hidden: jax.Array, labels: jax.Array) -> set[str]:
+    """The mesh axes the tokens are split over, as far as can be seen from inside a
+    ``shard_map``: the running step's data axes (its ``shard_map`` does not type them) and the
+    axes ``hidden`` or ``labels`` are typed varying over."""
+    return {*_context.split_data_axes(), *_tiles.varying(hidden, labels)}
+
+
+def tokens_whole(entry: str, name: str | None, axes: set[str]) -> None:
+    """The tokens are not split over the vocabulary's axis ``name`` (``axes``: those they are
+    split over): every device of it needs the same tokens, and a data axis named by mistake
+    would split a vocabulary that every device holds whole."""
+    if name is not None and name in axes:
         raise ValueError(
-            f"{entry}: the tokens differ between the devices of axis_name={name!r}: it names the "
-            "axis the vocabulary is split over (each device holding its slice of the weight "
-            "and the same tokens), not a data axis; pass the vocabulary's axis, or None")
+            f"{entry}: the tokens are split over axis_name={name!r}: it names the axis the "
+            "vocabulary is split over (each device holding its slice of the weight and the "
+            "same tokens), not a data axis; pass the vocabulary's axis, or None")
 
 
 def layout(entry: str, name: str | None, vocab_axis: int, specs: dict[str, Any]) -> None:
-    """On an Explicit mesh: the weight (and bias) split over ``name`` along the vocabulary
-    only, the hidden states' width not split, and the tokens not split over ``name``."""
+    """On an Explicit mesh: the tokens not split over ``name``, the weight (and bias) split
+    over ``name`` along the vocabulary only, and the hidden states' width not split."""
     def parts(spec: Any, ndim: int) -> tuple[Any, ...]:
         return (*spec.partitions, *(None,) * (ndim - len(spec.partitions)))
 
-    tokens = {a for part in (*tuple(specs["hidden"].partitions)[:1],
-                             *specs["labels"].partitions) if part is not None
-              for a in (part if isinstance(part, tuple) else (part,))}
-    if name is not None and name in tokens:
-        raise ValueError(f"{entry}: the tokens must not be split over axis_name={name!r}: "
-                         "it names the axis the vocabulary is split over (every device of it "
-                         "needs the same tokens), not a data axis")
+    hidden = parts(specs["hidden"], 2)
+    tokens_whole(entry, name, {a for part in (hidden[0], *specs["labels"].partitions)
+                               if part is not None
+                               for a in (part if isinstance(part, tuple) else (part,))})
     weight = parts(specs["weight"], 2)
     shown = {k: P(*v.partitions) for k, v in specs.items()}  # (without jaxaccum's reduced)
-    fix = (f"shard it with PartitionSpec{(name, None) if vocab_axis == 0 else (None, name)}"
-           if name is not None else "pass axis_name=<the axis its vocabulary is split over>")
     if name is None and weight != (None, None):
         raise ValueError(f"{entry}: on an Explicit mesh the weight's type says it is split "
                          f"({shown['weight']}): pass axis_name=<the axis its vocabulary is split "
                          "over>, or replicate it")
     if weight[vocab_axis] != name or weight[1 - vocab_axis] is not None:
+        fix = (name, None) if vocab_axis == 0 else (None, name)
         raise ValueError(f"{entry}: on an Explicit mesh the weight (vocab_axis={vocab_axis}) "
                          f"must be split over axis_name={name!r} along its vocabulary only; its "
-                         f"type says {shown['weight']}: {fix}")
+                         f"type says {shown['weight']}: shard it with PartitionSpec{fix}")
     if "bias" in specs and parts(specs["bias"], 1) != (name,):
         raise ValueError(f"{entry}: on an Explicit mesh the bias must be split as the weight's "
                          f"vocabulary, over {name!r}; its type says {shown['bias']}")
-    hidden = tuple(specs["hidden"].partitions)
-    if len(hidden) == 2 and hidden[1] is not None:
+    if hidden[1] is not None:
         raise ValueError(f"{entry}: hidden's last axis (D) must not be split; its type says "
                          f"{shown['hidden']}: reshard it to PartitionSpec({hidden[0]!r}, None)")
 
