@@ -85,6 +85,31 @@ TESTS = {
                                  "tests/test_lm_head_mesh.py"],
     "jaxaccum/_sink.py": ["tests/test_linear_cross_entropy.py", "tests/test_one_way_through.py"],
     "jaxaccum/_context.py": ["tests/test_lm_head_mesh.py"],
+    # the public entry and the front ends: the reference model drives every one of them
+    "jaxaccum/_value_and_grad.py": [*REFERENCE, *MESH, "tests/test_frontends.py",
+                                    "tests/test_one_way_through.py", "tests/test_carry.py",
+                                    "tests/test_error_messages.py", *PRECISION],
+    "jaxaccum/nnx.py": [*REFERENCE, "tests/test_flax.py", "tests/test_frontends.py",
+                        "tests/test_one_way_through.py", "tests/test_train_step.py", *PRECISION],
+    "jaxaccum/linen.py": [*REFERENCE, "tests/test_flax.py", "tests/test_frontends.py",
+                          "tests/test_one_way_through.py", "tests/test_train_step.py",
+                          *PRECISION],
+    "jaxaccum/__init__.py": [*REFERENCE, "tests/test_docs.py"],
+    # argument checks: the domain tests draw what each check must take and refuse
+    "jaxaccum/_validation.py": ["tests/test_domains.py", "tests/test_error_messages.py",
+                                "tests/test_contract.py", "tests/test_frontends.py",
+                                "tests/test_multi_steps.py"],
+    "jaxaccum/_pytrees.py": [*REFERENCE, "tests/test_frontends.py", "tests/test_carry.py",
+                             "tests/test_accumulate.py"],
+    "jaxaccum/_keys.py": ["tests/test_keys.py", *REFERENCE, "tests/test_accumulate.py"],
+    "jaxaccum/_plan.py": ["tests/test_plan.py"],
+    # sharding specs and the XLA workarounds: the programs on 8 host devices
+    "jaxaccum/_specs.py": [*MESH, "tests/test_sharded.py", "tests/test_pipeline_placement.py",
+                           "tests/test_data_parallel.py", "tests/test_lm_head_mesh.py",
+                           *MESH_PARITY],
+    "jaxaccum/_xla/": ["tests/test_hlo.py", "tests/test_conv_layout.py", "tests/test_check.py",
+                       "tests/test_accumulate.py", *MESH, "tests/test_sharded.py",
+                       "tests/test_pipeline_placement.py", "tests/test_lm_head_mesh.py"],
 }
 for _module in ("jaxaccum/_reductions.py", "jaxaccum/_microbatches.py", "jaxaccum/_options.py",
                 "jaxaccum/_coupled.py", "jaxaccum/packing/"):
@@ -98,7 +123,11 @@ TIMEOUT = {**{f"jaxaccum/packing/{m}.py": 420 for m in ("_layout", "_stream", "_
            "jaxaccum/contrastive/_ring.py": 1500,
            **{f"jaxaccum/_cross_entropy/{m}.py": 480
               for m in ("__init__", "_checks", "_chunks", "_split", "_vjp")},
-           "jaxaccum/_sink.py": 480, "jaxaccum/_context.py": 480}
+           "jaxaccum/_sink.py": 480, "jaxaccum/_context.py": 480,
+           # (the reference model through every front end: 90 s unmutated on an idle machine)
+           **{f"jaxaccum/{m}.py": 480 for m in ("_value_and_grad", "nnx", "linen", "__init__",
+                                                "_pytrees", "_keys", "_specs")},
+           **{f"jaxaccum/_xla/{m}.py": 480 for m in ("conv_layout", "hlo", "jaxpr", "reduced")}}
 
 
 # One compilation cache for every mutant of a run (tests/conftest.py makes one per session
