@@ -13,7 +13,10 @@ each with why).
 from __future__ import annotations
 
 import argparse
+import ast
+import functools
 import json
+import os
 import sqlite3
 import subprocess
 from collections import Counter, defaultdict
@@ -47,6 +50,34 @@ def judged_equivalent(path: str | None) -> dict[tuple[str, ...], str]:
         return {}
     return {(e["module"], *(c for c in e["changed"] if c[1:].strip())): e["why"]
             for e in json.load(open(path))}
+
+
+def code(source: str) -> str:
+    """A module's code without its docstrings (what a mutant can change), as a string that two
+    versions of the module share exactly when their code is the same."""
+    tree = ast.parse(source)
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if (isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                and body and isinstance(body[0], ast.Expr)
+                and isinstance(body[0].value, ast.Constant)
+                and isinstance(body[0].value.value, str)):
+            node.body = body[1:] or [ast.Pass()]
+    return ast.dump(tree)
+
+
+@functools.cache
+def unchanged(module: str, commit: str) -> bool:
+    """Whether ``module``'s code (docstrings aside) is the same now as at ``commit``."""
+    old = subprocess.run(["git", "show", f"{commit}:{module}"], capture_output=True, text=True)
+    return (old.returncode == 0 and os.path.exists(module)
+            and code(old.stdout) == code(open(module).read()))
+
+
+def committed(commit: str) -> int:
+    """The commit's time (seconds since the epoch)."""
+    return int(subprocess.run(["git", "log", "-1", "--format=%ct", commit], capture_output=True,
+                              text=True, check=True).stdout)
 
 
 def load(session: str, log: str) -> list[dict[str, Any]]:
@@ -93,6 +124,10 @@ def main() -> None:
                         metavar=("SESSION", "LOG", "COMMIT"),
                         help="a run at an earlier commit whose modules count only where the "
                              "main pairs ran none (modules unchanged since, with their tests)")
+    parser.add_argument("--older-report", action="append", default=[], metavar="REPORT",
+                        help="an earlier report (this script's output): a module no run above "
+                             "measured counts from the report that measured it last, where "
+                             "its code (docstrings aside) is unchanged since")
     args = parser.parse_args()
     mutants: list[dict[str, Any]] = []
     for session, log in zip(args.pairs[::2], args.pairs[1::2], strict=True):
@@ -106,6 +141,20 @@ def main() -> None:
                 and m["module"] not in ran and origin.get(m["module"], older) == older]
         origin.update({m["module"]: older for m in kept})
         mutants += kept
+    # a module not run above counts from the earlier report that measured it last, if its code
+    # is unchanged since
+    olders = [json.load(open(path)) for path in args.older_report]
+    newest: dict[str, tuple[int, str, dict[str, Any]]] = {}
+    for older in olders:
+        for module, at in older["modules_measured_at"].items():
+            when = committed(at)
+            if module not in origin and (module not in newest or when > newest[module][0]):
+                newest[module] = (when, at, older)
+    for module, (_, at, older) in sorted(newest.items()):
+        if unchanged(module, at):
+            origin[module] = at
+            mutants += [m for m in older["mutants"]
+                        if m["module"] == module and m["verdict"] != "not run"]
     equivalent = judged_equivalent(args.equivalent)
     for m in mutants:
         why = equivalent.get(key(m["diff"]))
