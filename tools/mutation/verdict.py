@@ -152,8 +152,10 @@ def mutated() -> tuple[str, str]:
 
 def typecheck() -> str:
     """mypy's complaint about the mutated library, as CI runs it ("" if none)."""
-    proc = subprocess.run([sys.executable, "-m", "mypy", "jaxaccum"], capture_output=True,
-                          text=True)
+    # (no cache: a file restored within the second its mutant was written keeps the mutant's
+    # size and modification time, and mypy's cache would go on reporting the mutant's errors)
+    proc = subprocess.run([sys.executable, "-m", "mypy", "--no-incremental", "jaxaccum"],
+                          capture_output=True, text=True)
     return "" if proc.returncode == 0 else proc.stdout.strip().splitlines()[0][:300]
 
 
