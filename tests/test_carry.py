@@ -90,6 +90,15 @@ def test_carried_structure_mismatch_names_argument_and_structures():
                        r"float32\[16\] and came back as bfloat16\[16\]"):
         fn(PARAMS, BATCH, STATS)
 
+    def reshaped(params, batch, stats):  # the other side of the message: the shape
+        loss, new = bn_loss(params, batch, stats)
+        return loss, {"mean": new["mean"][:8], "count": new["count"]}
+
+    fn = jaxaccum.value_and_grad(reshaped, num_microbatches=2, carry_argnums=2)
+    with refuses(TypeError, match=r"leaf \['mean'\] came in as float32\[16\] and came back as "
+                       r"float32\[8\]"):
+        fn(PARAMS, BATCH, STATS)
+
     def dropped(params, batch, stats):
         loss, new = bn_loss(params, batch, stats)
         return loss, {"mean": new["mean"]}

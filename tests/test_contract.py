@@ -242,6 +242,37 @@ def test_an_equinox_module_passes_whole_to_train_step_and_value_and_grad():
     assert step.num_programs == 1
 
 
+class Shifted(eqx.Module):
+    """A module with a plain int field (a hyperparameter: static for the step, as for
+    ``eqx.filter_jit``)."""
+
+    weight: jax.Array
+    shift: int
+
+    def __call__(self, x):
+        return jnp.tanh(x @ self.weight)[:, 0] + self.shift
+
+
+@pytest.mark.parametrize("shifts", [(-1, -2), (-2, -1), (3, 4)])
+def test_each_distinct_static_part_gets_its_own_program(shifts):
+    """Two modules that differ only in a static field run two programs, each equal to
+    ``eqx.filter_value_and_grad``, in either order, whatever their hashes (in CPython
+    ``hash(-1) == hash(-2)``, so only equality tells those two apart)."""
+    opt = optax.sgd(0.1)
+
+    def eqx_loss(m, b):
+        return jnp.mean((m(b[0]) - b[1]) ** 2)
+
+    step = jaxaccum.train_step(eqx_loss, opt, num_microbatches=4, donate=False)
+    weight = jax.random.normal(jax.random.key(0), (3, 1))
+    for shift in shifts:
+        model = Shifted(weight, shift)
+        want = eqx.filter_value_and_grad(eqx_loss)(model, batch())[0]
+        _, _, value, _ = step(model, opt.init(eqx.filter(model, eqx.is_array)), batch())
+        np.testing.assert_allclose(value, want, rtol=1e-5)
+    assert step.num_programs == 2
+
+
 def test_every_step_sets_an_explicit_mesh_itself():
     mesh = jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
     sgd = optax.sgd(0.1)

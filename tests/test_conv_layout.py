@@ -237,3 +237,31 @@ def test_conv_rewrite_puts_batch_and_features_back_when_they_have_one_size():
     expected = jax.jit(conv)(x, w)
     assert expected.shape == (4, 4, 4, 4)
     np.testing.assert_array_equal(jax.jit(_conv_layout.canonical_convs(conv))(x, w), expected)
+
+
+def test_convolutions_inside_nested_jits_are_rewritten():
+    """A layer jitted inside a jitted block (as ``nnx.jit`` or ``eqx.filter_jit`` layers nest):
+    the loop still runs only canonical convolutions, and the result equals the full batch."""
+    def conv(x, w, stride):
+        return jax.lax.conv_general_dilated(x, w, (stride, stride), "SAME",
+                                            dimension_numbers=("NHWC", "HWIO", "NHWC"))
+
+    @jax.jit
+    def block(x, params):
+        h = jax.nn.relu(jax.jit(conv, static_argnums=2)(x, params["conv1"], 1))
+        return jax.nn.relu(jax.jit(conv, static_argnums=2)(h, params["conv2"], 2))
+
+    def nested(params, batch):
+        x, y = batch
+        return jnp.mean((jax.jit(block)(x, params).mean((1, 2)) @ params["dense"] - y) ** 2)
+
+    step = jaxaccum.train_step(nested, optax.adam(1e-3), num_microbatches=4)
+    hlo = step.lower(PARAMS, optax.adam(1e-3).init(PARAMS), BATCH).compile().as_text()
+    in_loop = [label for label, loop in _hlo.convolutions(hlo) if loop]
+    assert in_loop and set(in_loop) == {CANONICAL[4]}, in_loop
+    full32 = jax.jit(jax.value_and_grad(nested))(PARAMS, BATCH)
+    with jax.enable_x64(True):
+        ref64 = jax.jit(jax.value_and_grad(nested))(to_float64(PARAMS), to_float64(BATCH))
+        ref64 = jax.tree.map(lambda a: np.asarray(a, np.float64), ref64)
+    actual = jax.jit(jaxaccum.value_and_grad(nested, num_microbatches=4))(PARAMS, BATCH)
+    assert_within_rounding(actual, full32, ref64)

@@ -75,7 +75,9 @@ TESTS = {
     "jaxaccum/contrastive/_tiles.py": [*PAIR, *PRECISION],
     "jaxaccum/contrastive/_ring.py": [*PAIR, *PRECISION],
     "jaxaccum/grain.py": ["tests/test_grain.py"],
-    "jaxaccum/_pipeline.py": [*REFERENCE, "tests/test_carry.py", *MESH, *PRECISION, *MESH_PARITY],
+    "jaxaccum/_pipeline.py": [*REFERENCE, "tests/test_carry.py", *MESH, *PRECISION, *MESH_PARITY,
+                              # (the micro-step's sink path: the op adds into the accumulator)
+                              "tests/test_linear_cross_entropy.py"],
     "jaxaccum/_multi_steps.py": ["tests/test_multi_steps.py", *PRECISION],
     # the gradient sources' results, divided once where they are used; the step written once
     "jaxaccum/_records.py": [*REFERENCE, *MESH, "tests/test_noise_scale.py",
@@ -100,6 +102,7 @@ TESTS = {
     "jaxaccum/__init__.py": [*REFERENCE, "tests/test_docs.py"],
     # argument checks: the domain tests draw what each check must take and refuse
     "jaxaccum/_validation.py": ["tests/test_domains.py", "tests/test_error_messages.py",
+                                "tests/test_carry.py",
                                 "tests/test_contract.py", "tests/test_frontends.py",
                                 "tests/test_multi_steps.py"],
     "jaxaccum/_pytrees.py": [*REFERENCE, "tests/test_frontends.py", "tests/test_carry.py",
@@ -108,6 +111,7 @@ TESTS = {
     "jaxaccum/_plan.py": ["tests/test_plan.py"],
     # sharding specs and the XLA workarounds: the programs on 8 host devices
     "jaxaccum/_specs.py": [*MESH, "tests/test_sharded.py", "tests/test_pipeline_placement.py",
+                           "tests/test_runtime_count_mesh.py", "tests/test_coupled_mesh.py",
                            "tests/test_data_parallel.py", "tests/test_lm_head_mesh.py",
                            *MESH_PARITY],
     "jaxaccum/_xla/": ["tests/test_hlo.py", "tests/test_conv_layout.py", "tests/test_check.py",
