@@ -510,3 +510,30 @@ def test_nnx_step_trains_the_variables_the_optimizer_holds_even_if_not_params():
     np.testing.assert_allclose(model.down[...], ref.down[...] - 0.1 * grads["down"][...],
                                rtol=1e-5)
     np.testing.assert_allclose(model.up[...], ref.up[...] - 0.1 * grads["up"][...], rtol=1e-5)
+
+
+@pytest.mark.parametrize("front", ["value_and_grad", "train_step"])
+def test_nnx_batch_after_another_argument(front):
+    """``batch_argnums=2``: the batch is the loss's third argument, after one passed whole
+    (a scale here); the scale is not split, the batch is, and the result is the full batch's."""
+    x, y = random_batch(jax.random.key(1), 16, sizes=(8, 4))
+    scale = jnp.asarray([0.5, 1.0, 2.0, 4.0])
+
+    def loss_fn(model, scale, batch):
+        x, y = batch
+        return jnp.mean(((model(x) - y) * scale) ** 2)
+
+    model = nnx.Linear(8, 4, rngs=nnx.Rngs(0))
+    ref_loss, ref_grads = nnx.value_and_grad(loss_fn)(model, scale, (x, y))
+    if front == "value_and_grad":
+        loss, grads = jaxaccum.nnx.value_and_grad(loss_fn, num_microbatches=4,
+                                                  batch_argnums=2)(model, scale, (x, y))
+        assert_trees_close(nnx.state(grads), nnx.state(ref_grads), 1e-5)
+    else:
+        optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+        want = jax.tree.map(lambda p, g: p - 0.1 * g, nnx.state(model, nnx.Param),
+                            nnx.state(ref_grads))
+        loss, _ = jaxaccum.nnx.train_step(loss_fn, num_microbatches=4, batch_argnums=2)(
+            model, optimizer, scale, (x, y))
+        assert_trees_close(nnx.state(model, nnx.Param), want, 1e-5)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)

@@ -44,7 +44,12 @@ def main() -> None:
             continue
         patch = diff.split("\n", 1)[1] if diff.startswith("--- mutation diff ---") else diff
         patch = patch if patch.endswith("\n") else patch + "\n"
-        if subprocess.run(["git", "apply", "-"], input=patch, text=True).returncode:
+        if subprocess.run(["git", "apply", "-"], input=patch, text=True,
+                          capture_output=True).returncode and subprocess.run(
+                # (a mutant of a file's last line: cosmic-ray's diff shows one blank context
+                # line past the end of the file; without it, the hunk's counts recounted)
+                ["git", "apply", "--recount", "-"], input=patch.removesuffix(" \n"),
+                text=True).returncode:
             print("not applied:", diff.splitlines()[1:3], flush=True)
             continue
         try:
